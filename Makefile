@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh clone: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned first: this exact version installs the CPU build from local files;
+# an unpinned torch would pull a multi-GB CUDA build.
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test bench install clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/gradsync demo
+
+test: install
+	$(PY) -m pytest tests
+
+bench: install
+	$(VENV)/bin/gradsync bench
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info

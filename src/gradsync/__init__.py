@@ -1,0 +1,10 @@
+"""gradsync: data-parallel gradient synchronization for PyTorch, in pure Python."""
+from .comm import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
+from .ddp import DDP, DistributedDataParallel
+from .reducer import SyncError
+
+__version__ = "0.1.0"
+__all__ = [
+    "DDP", "DistributedDataParallel", "GradBucket", "SyncError",
+    "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "noop_hook",
+]

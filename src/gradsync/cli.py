@@ -1,0 +1,18 @@
+"""The ``gradsync`` command line: ``gradsync demo`` and ``gradsync bench``."""
+from __future__ import annotations
+
+import sys
+
+COMMANDS = {
+    "demo": ("gradsync.demo", "train a small model on local ranks and check it against one process"),
+}
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        lines = "\n".join(f"  {name:8s}{help_}" for name, (_, help_) in COMMANDS.items())
+        print(f"usage: gradsync COMMAND [options]\n\ncommands:\n{lines}")
+        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+    module = __import__(COMMANDS[argv[0]][0], fromlist=["main"])
+    module.main(argv[1:])

@@ -1,0 +1,104 @@
+"""Communication hooks and the bucket object they receive.
+
+A hook has torch's signature, ``hook(state, bucket) -> torch.futures.Future[Tensor]``, and the
+future's tensor is the bucket's reduced (averaged) gradient. ``GradBucket`` answers the same
+methods as ``torch.distributed.GradBucket``, so torch's own hooks run unchanged.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+
+class GradBucket:
+    """One flat bucket of gradients, as handed to a communication hook."""
+
+    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_is_last")
+
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
+                 parameters: list[torch.Tensor], is_last: bool):
+        self._index = index
+        self._buffer = buffer
+        self._gradients = gradients
+        self._parameters = parameters
+        self._is_last = is_last
+
+    def index(self) -> int:
+        """Return the bucket's position in launch order (0 is launched first)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """Return the flat tensor holding this bucket's gradients."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Return each parameter's gradient as a view into ``buffer()``."""
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Return the parameters, in the same order as ``gradients()``."""
+        return self._parameters
+
+    def is_last(self) -> bool:
+        """Return True for the last bucket launched in an iteration."""
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the bucket's contents with ``tensor`` (same number of elements)."""
+        if tensor.numel() != self._buffer.numel():
+            raise ValueError(
+                f"set_buffer on bucket {self._index}: expected {self._buffer.numel()} elements, "
+                f"got {tensor.numel()}"
+            )
+        self._buffer.copy_(tensor.reshape(self._buffer.shape))
+
+
+def _group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return process_group if process_group is not None else dist.group.WORLD
+
+
+def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+    """Average the bucket across ranks (the default behaviour, as a hook)."""
+    group = _group(process_group)
+    buffer = bucket.buffer()
+    buffer.div_(group.size())  # divide first: keeps low-precision sums in range
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _compress_hook(dtype: torch.dtype):
+    def hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+        group = _group(process_group)
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(group.size())
+        fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(fut: torch.futures.Future) -> torch.Tensor:
+            buffer.copy_(fut.value()[0])
+            return buffer
+
+        return fut.then(decompress)
+
+    return hook
+
+
+fp16_compress_hook = _compress_hook(torch.float16)
+fp16_compress_hook.__name__ = "fp16_compress_hook"
+fp16_compress_hook.__doc__ = "Reduce the bucket in float16 (half the bytes) and write the average back."
+bf16_compress_hook = _compress_hook(torch.bfloat16)
+bf16_compress_hook.__name__ = "bf16_compress_hook"
+bf16_compress_hook.__doc__ = (
+    "Reduce the bucket in bfloat16 (half the bytes, fp32's range) and write the average back; "
+    "runs on gloo/CPU, unlike torch's own bf16 hook."
+)
+
+
+def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
+    """Skip communication: every rank keeps its local gradient (for debugging only)."""
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut

@@ -1,0 +1,475 @@
+"""Per-iteration gradient reduction: readiness tracking, ordered bucket launches, write-back.
+
+The reducer knows parameters, buckets and a process group; it knows nothing about modules or
+optimizers. Each parameter gets a post-accumulate-grad hook. In a synced backward a ready
+gradient is copied into its bucket slot, and buckets are launched strictly in index order on
+every rank, so collectives pair up across ranks even when hooks fire in different orders. The
+end of backward is caught with the autograd engine's queued callback, where the reducer waits
+(bounded) for every bucket and writes the averages back into ``.grad``.
+
+Each synced backward ends with one small control all-reduce carrying every rank's backward
+counter and a per-parameter "used" count. It lets every rank (a) notice that ranks disagree
+about which backward syncs, (b) name parameters some rank produced no gradient for, and (c)
+find parameters unused on every rank, all without an extra round trip in the hot path.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .buckets import plan_buckets
+from .comm import CommHook, GradBucket
+
+
+class SyncError(RuntimeError):
+    """Ranks disagreed, a rank failed, or a collective did not finish within the timeout."""
+
+
+@dataclass
+class Bucket:
+    index: int
+    members: list[int]  # parameter indices
+    buffer: torch.Tensor
+    views: list[torch.Tensor]  # per-member views of ``buffer``, shaped like the parameters
+    pending: int = 0
+    handle: Any = None  # dist.Work (default path) or torch.futures.Future (hook path)
+    times: dict[str, float] = field(default_factory=dict)
+
+
+def _is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
+    return grad is not None and grad.data_ptr() == view.data_ptr()
+
+
+class Reducer:
+    def __init__(
+        self,
+        params: Sequence[torch.nn.Parameter],
+        names: Sequence[str],
+        process_group: dist.ProcessGroup,
+        *,
+        should_sync: Callable[[], bool],
+        bucket_cap_mb: float = 25.0,
+        first_bucket_cap_mb: float = 1.0,
+        find_unused_parameters: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        timeout: timedelta,
+    ):
+        self.params = list(params)
+        self.names = list(names)
+        self.group = process_group
+        self.rank = dist.get_rank(process_group)
+        self.world_size = dist.get_world_size(process_group)
+        self.should_sync = should_sync
+        self.bucket_cap_mb = bucket_cap_mb
+        self.first_bucket_cap_mb = first_bucket_cap_mb
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.timeout = timeout
+        self.comm_hook: CommHook | None = None
+        self.comm_state: Any = None
+        self.trace: list[dict] | None = None  # set to [] to record a timeline per synced backward
+
+        n = len(self.params)
+        self.backward_count = 0  # every backward, synced or not: the divergence check compares it
+        self.sync_count = 0
+        self._in_backward = False
+        self._syncing = False
+        self._expect_backward = False
+        self._window_used = [False] * n  # used locally since the last synced backward
+        self._ready = [False] * n
+        self._hook_counts = [0] * n
+        self._static_counts: list[int] | None = None  # learned in the first synced backward
+        self._reachable: set[int] = set()
+        self._index_of = {id(p): i for i, p in enumerate(self.params)}
+        self._ready_order: list[int] | None = None
+        self._rebuilt = False
+        self._next_launch = 0
+        self._iter_trace: dict | None = None
+
+        self._build_buckets(plan_buckets(self.params, bucket_cap_mb, first_bucket_cap_mb))
+        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
+                         for i, p in enumerate(self.params)]
+
+    # ---------------------------------------------------------------- buckets
+    def _build_buckets(self, plan: list[list[int]]) -> None:
+        old_views = getattr(self, "_views", None)
+        self.buckets: list[Bucket] = []
+        self._views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
+        self._bucket_of = [0] * len(self.params)
+        for b, members in enumerate(plan):
+            first = self.params[members[0]]
+            total = sum(self.params[i].numel() for i in members)
+            buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+            views, offset = [], 0
+            for i in members:
+                p = self.params[i]
+                view = buffer[offset:offset + p.numel()].view(p.shape)
+                offset += p.numel()
+                views.append(view)
+                self._views[i] = view
+                self._bucket_of[i] = b
+            self.buckets.append(Bucket(b, list(members), buffer, views))
+        if self.gradient_as_bucket_view and old_views is not None:
+            for i, p in enumerate(self.params):
+                if _is_view_of(p.grad, old_views[i]):
+                    self._views[i].copy_(p.grad)
+                    p.grad = self._views[i]
+
+    def bucket_plan(self) -> list[list[int]]:
+        """Return the current buckets as lists of parameter indices."""
+        return [list(b.members) for b in self.buckets]
+
+    # ---------------------------------------------------------------- forward side
+    def prepare_for_forward(self) -> None:
+        if self._in_backward:  # the last backward raised before its end: drop its state
+            self._reset_iteration()
+
+    def prepare_for_backward(self, outputs: Any) -> None:
+        """Note that a backward may follow; with ``find_unused_parameters``, find reachable params."""
+        self._expect_backward = True
+        if self.find_unused_parameters and not (self.static_graph and self._static_counts is not None):
+            self._reachable |= self._reachable_params(outputs)
+
+    def _reachable_params(self, outputs: Any) -> set[int]:
+        stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
+        seen: set = set()
+        found: set[int] = set()
+        while stack:
+            fn = stack.pop()
+            if fn in seen:
+                continue
+            seen.add(fn)
+            var = getattr(fn, "variable", None)
+            if var is not None:
+                i = self._index_of.get(id(var))
+                if i is not None:
+                    found.add(i)
+            stack.extend(nf for nf, _ in fn.next_functions if nf is not None)
+        return found
+
+    # ---------------------------------------------------------------- backward side
+    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            if not self._in_backward:
+                self._begin_backward()
+            self._window_used[i] = True
+            if self._syncing:
+                if self._ready_order is not None:
+                    self._ready_order.append(i)
+                self._mark_ready(i)
+            elif self.gradient_as_bucket_view:
+                self._adopt_view(i)
+        return hook
+
+    def _begin_backward(self) -> None:
+        if not self._expect_backward:
+            raise RuntimeError(
+                "gradsync: backward ran without a forward of the DistributedDataParallel model since "
+                "the previous backward (two backward passes from one forward, or a forward that "
+                "bypassed the wrapper). Call model(...) before each backward; to combine several "
+                "losses from one forward, add them and call backward once."
+            )
+        self._expect_backward = False
+        self._in_backward = True
+        self.backward_count += 1
+        self._syncing = bool(self.should_sync())
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if not self._syncing:
+            return
+        self._ready = [False] * len(self.params)
+        self._hook_counts = [0] * len(self.params)
+        self._next_launch = 0
+        for b in self.buckets:
+            b.pending = len(b.members)
+            b.handle = None
+        if self._ready_order is None and not self._rebuilt:
+            self._ready_order = []
+        if self.trace is not None:
+            self._iter_trace = {"iteration": self.sync_count, "backward_start": time.perf_counter(),
+                                "buckets": []}
+        if self.static_graph and self._static_counts is not None:
+            unused = [i for i, c in enumerate(self._static_counts) if c == 0]
+        elif self.find_unused_parameters:
+            unused = [i for i in range(len(self.params)) if i not in self._reachable]
+        else:
+            unused = []
+        self._reachable = set()
+        for i in unused:
+            self._mark_ready(i, from_hook=False)
+
+    def _mark_ready(self, i: int, from_hook: bool = True) -> None:
+        if self.static_graph:
+            self._hook_counts[i] += from_hook
+            if self._static_counts is None:
+                return  # first synced backward: learn how often each hook fires, launch at the end
+            expected = self._static_counts[i]
+            if self._hook_counts[i] > expected:
+                raise RuntimeError(
+                    f"gradsync: static_graph=True, but parameter '{self.names[i]}' produced a gradient "
+                    f"{self._hook_counts[i]} times in this backward and {expected} times in the first "
+                    "iteration. The graph changed; construct the model with static_graph=False."
+                )
+            if from_hook and self._hook_counts[i] < expected:
+                return
+        elif self._ready[i]:
+            raise RuntimeError(
+                f"gradsync: parameter '{self.names[i]}' was marked ready twice in one backward: it took "
+                "part in the backward more than once (e.g. reentrant activation checkpointing, or a "
+                "module reused across a nested backward). Pass static_graph=True if the graph is the "
+                "same every iteration, or use torch.utils.checkpoint(..., use_reentrant=False)."
+            )
+        self._ready[i] = True
+        self._copy_to_bucket(i)
+        bucket = self.buckets[self._bucket_of[i]]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            if self._iter_trace is not None:
+                bucket.times = {"ready": time.perf_counter()}
+            self._launch_ready_buckets()
+
+    def _copy_to_bucket(self, i: int) -> None:
+        grad = self.params[i].grad
+        view = self._views[i]
+        if grad is None:
+            view.zero_()
+        elif self.gradient_as_bucket_view:
+            self._adopt_view(i)
+        else:
+            _check_grad(grad, view, self.names[i])
+            view.copy_(grad)
+
+    def _adopt_view(self, i: int) -> None:
+        """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced)."""
+        p, view = self.params[i], self._views[i]
+        grad = p.grad
+        if grad is not None and not _is_view_of(grad, view):
+            _check_grad(grad, view, self.names[i])
+            view.copy_(grad)
+            p.grad = view
+
+    def _launch_ready_buckets(self) -> None:
+        buckets = self.buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
+            self._launch(buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        tracing = self._iter_trace is not None
+        if tracing:
+            bucket.times["launch"] = time.perf_counter()
+        if self.comm_hook is None:
+            bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
+            bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        else:
+            grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.views,
+                                     [self.params[i] for i in bucket.members],
+                                     bucket.index == len(self.buckets) - 1)
+            bucket.handle = self.comm_hook(self.comm_state, grad_bucket)
+            if not isinstance(bucket.handle, torch._C.Future):
+                raise TypeError(
+                    f"gradsync: the communication hook returned {type(bucket.handle).__name__} for "
+                    f"bucket {bucket.index}; it must return a torch.futures.Future of the reduced tensor"
+                )
+        if tracing:
+            fut = bucket.handle if isinstance(bucket.handle, torch._C.Future) else bucket.handle.get_future()
+            times = bucket.times
+            fut.add_done_callback(lambda _f: times.__setitem__("done", time.perf_counter()))
+
+    # ---------------------------------------------------------------- end of backward
+    def _finalize(self) -> None:
+        try:
+            if self._syncing:
+                self._finish_sync()
+        finally:
+            self._in_backward = False
+            self._syncing = False
+
+    def _finish_sync(self) -> None:
+        n = len(self.params)
+        if self.static_graph and self._static_counts is None:
+            self._static_counts = list(self._hook_counts)
+            for i in range(n):
+                self._ready[i] = True
+                self._copy_to_bucket(i)
+            for b in self.buckets:
+                b.pending = 0
+            self._launch_ready_buckets()
+        missing = [i for i in range(n) if not self._ready[i]]
+        graph_changed = self.static_graph and bool(missing)
+        for i in missing:  # launch every bucket anyway so peers are not left waiting
+            self._mark_ready(i, from_hook=False)
+
+        control = torch.zeros(self.world_size + n, dtype=torch.int32)
+        control[self.rank] = self.backward_count
+        tracks_unused = self.find_unused_parameters or self.static_graph
+        used = self._window_used if tracks_unused else self._ready_in_hooks(missing)
+        control[self.world_size:] = torch.tensor(used, dtype=torch.int32)
+        control_work = dist.all_reduce(control, group=self.group, async_op=True)
+
+        results = [self._wait_bucket(b) for b in self.buckets]
+        self._wait(control_work, "the end-of-backward check")
+        self._check_agreement(control)
+        counts = control[self.world_size:].tolist()
+        if graph_changed:
+            names = ", ".join(self.names[i] for i in missing)
+            raise RuntimeError(
+                f"gradsync: static_graph=True, but parameter(s) {names} produced no gradient in this "
+                "backward although they did in the first iteration. The graph changed; construct the "
+                "model with static_graph=False (and find_unused_parameters=True if needed)."
+            )
+        if not tracks_unused:
+            self._check_missing(counts)
+
+        for bucket, result in zip(self.buckets, results):
+            self._write_back(bucket, result, counts)
+        if self._iter_trace is not None:
+            self._record_trace()
+        self._window_used = [False] * n
+        self.sync_count += 1
+        if self._ready_order is not None:
+            self._rebuild_buckets()
+
+    def _ready_in_hooks(self, missing: list[int]) -> list[bool]:
+        used = [True] * len(self.params)
+        for i in missing:
+            used[i] = False
+        return used
+
+    def _wait_bucket(self, bucket: Bucket) -> torch.Tensor:
+        handle = bucket.handle
+        self._wait(handle, f"bucket {bucket.index}")
+        if not isinstance(handle, torch._C.Future):
+            return bucket.buffer
+        result = handle.value()
+        if isinstance(result, (list, tuple)) and len(result) == 1:
+            result = result[0]
+        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+            what = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
+                    else type(result).__name__)
+            raise TypeError(
+                f"gradsync: the communication hook's future for bucket {bucket.index} yielded {what}; "
+                f"expected a tensor of {bucket.buffer.numel()} elements (the bucket's buffer)"
+            )
+        return result
+
+    def _wait(self, handle: Any, what: str) -> None:
+        """Wait for a Work or Future, bounded by ``self.timeout``, with a useful error."""
+        try:
+            if isinstance(handle, torch._C.Future):
+                deadline = time.monotonic() + self.timeout.total_seconds()
+                while not handle.done():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError("operation timed out")
+                    time.sleep(0.0002)
+                handle.wait()  # re-raises an error the future holds
+            else:
+                handle.wait(self.timeout)
+        except Exception as exc:
+            raise SyncError(
+                f"gradsync: rank {self.rank} waited for {what} of synced backward {self.sync_count} "
+                f"(backward {self.backward_count} on this rank) and it failed or did not finish within "
+                f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died, raised, "
+                "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync."
+            ) from exc
+
+    def _check_agreement(self, control: torch.Tensor) -> None:
+        counters = control[: self.world_size].tolist()
+        if len(set(counters)) > 1:
+            detail = ", ".join(f"rank {r}: backward {c}" for r, c in enumerate(counters))
+            raise SyncError(
+                f"gradsync: ranks disagree about which backward synchronizes gradients ({detail}). "
+                "A rank skipped a backward, ran a different number of micro-steps in an accumulation "
+                "window, or entered no_sync() when another did not. No gradients were applied."
+            )
+
+    def _check_missing(self, counts: list[int]) -> None:
+        absent = [self.names[i] for i, c in enumerate(counts) if c < self.world_size]
+        if absent:
+            shown = ", ".join(absent[:20]) + (f" and {len(absent) - 20} more" if len(absent) > 20 else "")
+            raise RuntimeError(
+                f"gradsync: {len(absent)} parameter(s) received no gradient in this backward on at least "
+                f"one rank: {shown}. If some parameters are not used in every iteration, construct "
+                "DistributedDataParallel with find_unused_parameters=True. The gradients were not "
+                "synchronized; do not step the optimizer on them."
+            )
+
+    def _write_back(self, bucket: Bucket, result: torch.Tensor, counts: list[int]) -> None:
+        if result is not bucket.buffer:
+            bucket.buffer.copy_(result.reshape(bucket.buffer.shape))
+        for i, view in zip(bucket.members, bucket.views):
+            if counts[i] == 0:  # unused on every rank: leave .grad as it was (None stays None)
+                continue
+            p = self.params[i]
+            if self.gradient_as_bucket_view:
+                if not _is_view_of(p.grad, view):
+                    p.grad = view
+            elif p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+
+    def _record_trace(self) -> None:
+        it = self._iter_trace
+        it["backward_end"] = time.perf_counter()
+        for b in self.buckets:
+            it["buckets"].append({"index": b.index, "bytes": b.buffer.numel() * b.buffer.element_size(),
+                                  **b.times})
+        self.trace.append(it)
+        self._iter_trace = None
+
+    def _rebuild_buckets(self) -> None:
+        """Re-plan buckets once from rank 0's observed gradient-ready order."""
+        order = self._ready_order
+        self._ready_order = None
+        self._rebuilt = True
+        if self.find_unused_parameters and not self.static_graph:
+            return  # the order changes from iteration to iteration; keep registration order
+        seen = set(order)
+        order = list(dict.fromkeys(order)) + [i for i in reversed(range(len(self.params))) if i not in seen]
+        shared = torch.tensor(order, dtype=torch.int64)
+        self._wait(dist.broadcast(shared, src=dist.get_global_rank(self.group, 0), group=self.group,
+                                  async_op=True), "the bucket rebuild")
+        plan = plan_buckets(self.params, self.bucket_cap_mb, self.first_bucket_cap_mb, shared.tolist())
+        if plan != self.bucket_plan():
+            self._build_buckets(plan)
+
+    def _reset_iteration(self) -> None:
+        self._in_backward = False
+        self._syncing = False
+        self._iter_trace = None
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def _check_grad(grad: torch.Tensor, view: torch.Tensor, name: str) -> None:
+    if grad.layout != torch.strided:
+        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.layout} gradient; only dense "
+                           "gradients are supported (e.g. nn.Embedding(sparse=False))")
+    if grad.shape != view.shape:
+        raise RuntimeError(f"gradsync: parameter '{name}' has a gradient of shape {tuple(grad.shape)}, "
+                           f"expected {tuple(view.shape)}")
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+    elif hasattr(obj, "__dataclass_fields__"):
+        for name in obj.__dataclass_fields__:
+            yield from _tensors(getattr(obj, name))
