@@ -114,6 +114,8 @@ class DistributedDataParallel(nn.Module):
     on a collective (default: the process group's timeout).
     """
 
+    reducer_class = Reducer  # subclasses swap in another reduction strategy (e.g. sharded)
+
     def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None,
                  broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0,
                  first_bucket_cap_mb: float = 1.0, find_unused_parameters: bool = False,
@@ -133,7 +135,7 @@ class DistributedDataParallel(nn.Module):
         verify_same_model(module, self.process_group)
         names = [n for n, _ in trainable]
         params = [p for _, p in trainable]
-        self.reducer = Reducer(
+        self.reducer = self.reducer_class(
             params, names, self.process_group, should_sync=lambda: self.require_backward_grad_sync,
             bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
