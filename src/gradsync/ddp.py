@@ -15,7 +15,8 @@ from .comm import CommHook
 from .reducer import Reducer, SyncError
 
 
-_WRAPPED: weakref.WeakSet = weakref.WeakSet()  # parameters owned by a live gradsync wrapper
+# id -> parameter, for parameters owned by a live gradsync wrapper (a WeakSet would compare tensors)
+_WRAPPED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
 def resolve_timeout(timeout: timedelta | float | None, group: dist.ProcessGroup,
@@ -96,7 +97,7 @@ def check_wrappable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
         if isinstance(p, nn.parameter.UninitializedParameter):
             raise ValueError(f"gradsync: parameter '{name}' is lazy (uninitialized). Run one forward "
                              "pass on a sample batch to materialize it before wrapping the model")
-        if p in _WRAPPED:
+        if _WRAPPED.get(id(p)) is p:
             raise ValueError(f"gradsync: parameter '{name}' already belongs to a gradsync wrapper; "
                              "a module (or one of its submodules) must be wrapped only once")
     trainable = [(n, p) for n, p in named if p.requires_grad]
@@ -145,7 +146,7 @@ class DistributedDataParallel(nn.Module):
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()),
                                 self.process_group, self._wait)
         self._param_snapshot = [(p, p.requires_grad) for p in module.parameters()]
-        _WRAPPED.update(params)
+        _WRAPPED.update((id(p), p) for p in params)
 
     def _wait(self, work: dist.Work) -> None:
         self.reducer._wait(work, "a broadcast from rank 0")

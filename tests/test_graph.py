@@ -1,0 +1,313 @@
+"""Memory and graph features: bucket views, unused parameters, static graphs, misuse errors."""
+import pytest
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from torch import nn
+
+import gradsync
+from gradsync.launch import run_ranks
+from helpers import assert_close_dicts, batches, grads, mlp, params, shard
+
+
+def train_views(rank, world_size, set_to_none, replace_grad):
+    model = gradsync.DDP(mlp(seed=0), gradient_as_bucket_view=True, bucket_cap_mb=0.001,
+                         first_bucket_cap_mb=0.0005)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    history, is_view = [], []
+    for step, (x, y) in enumerate(batches(4, world_size)):
+        opt.zero_grad(set_to_none=set_to_none)
+        if replace_grad and step == 2:  # a user swaps in their own tensor: must still be correct
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        history.append(grads(model.module))
+        views = {p.grad.data_ptr() for p in model.parameters()}
+        buffers = [(b.buffer.data_ptr(), b.buffer.data_ptr() + b.buffer.numel() * 4)
+                   for b in model.reducer.buckets]
+        is_view.append(all(any(lo <= v < hi for lo, hi in buffers) for v in views))
+        opt.step()
+    return history, is_view, params(model.module)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("replace_grad", [False, True])
+def test_gradient_as_bucket_view_is_exact_and_stays_a_view(set_to_none, replace_grad):
+    results = run_ranks(train_views, 2, set_to_none, replace_grad)
+    ref = mlp(seed=0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    ref_history = []
+    for x, y in batches(4, 2):
+        opt.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_history.append(grads(ref))
+        opt.step()
+    for history, is_view, final in results:
+        for got, want in zip(history, ref_history):
+            assert_close_dicts(got, want)
+        assert all(is_view)
+        assert_close_dicts(final, params(ref))
+
+
+class Branches(nn.Module):
+    """`a` always runs; `b` runs when asked; `never` never runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)
+        self.never = nn.Linear(8, 4)
+
+    def forward(self, x, use_b=True):
+        out = self.a(x)
+        return out + self.b(x) if use_b else out
+
+
+def unused(rank, world_size, pattern):
+    model = gradsync.DDP(Branches(), find_unused_parameters=True)
+    data = batches(len(pattern), world_size)
+    for k, (x, y) in enumerate(data):
+        use_b = pattern[k][rank]
+        last = k == len(pattern) - 1
+        loss = F.mse_loss(model(shard(x, rank, world_size), use_b=use_b), shard(y, rank, world_size))
+        if last:
+            loss.backward()
+        else:
+            with model.no_sync():
+                loss.backward()
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.module.named_parameters()}
+
+
+def reference_unused(pattern, world_size):
+    """Mean over ranks of each rank's locally accumulated gradient (zeros where unused)."""
+    total = None
+    for rank in range(world_size):
+        m = Branches()
+        for k, (x, y) in enumerate(batches(len(pattern), world_size)):
+            F.mse_loss(m(shard(x, rank, world_size), use_b=pattern[k][rank]),
+                       shard(y, rank, world_size)).backward()
+        g = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) / world_size
+             for n, p in m.named_parameters() if n.split(".")[0] != "never"}
+        total = g if total is None else {n: total[n] + g[n] for n in g}
+    return total
+
+
+@pytest.mark.parametrize("case", ["all_ranks", "some_ranks", "only_under_no_sync", "none_unused"])
+def test_find_unused_parameters(case):
+    pattern = {
+        "all_ranks": [(False, False)],
+        "some_ranks": [(True, False)],
+        "only_under_no_sync": [(True, True), (False, False)],  # pytorch#69031
+        "none_unused": [(True, True), (True, True)],
+    }[case]
+    results = run_ranks(unused, 2, pattern)
+    want = reference_unused(pattern, 2)
+    b_used = any(u for step in pattern for u in step)
+    for got in results:
+        assert got["never.weight"] is None and got["never.bias"] is None
+        if not b_used:
+            assert got["b.weight"] is None
+            want = {n: g for n, g in want.items() if not n.startswith("b.")}
+        assert_close_dicts({n: g for n, g in got.items() if g is not None}, want)
+
+
+def missing_flag(rank, world_size):
+    model = gradsync.DDP(Branches())
+    x, y = batches(1, world_size)[0]
+    loss = F.mse_loss(model(shard(x, rank, world_size), use_b=rank == 0), shard(y, rank, world_size))
+    with pytest.raises(RuntimeError) as info:
+        loss.backward()
+    return str(info.value)
+
+
+def test_missing_find_unused_flag_raises_on_every_rank_naming_parameters():
+    for message in run_ranks(missing_flag, 2, timeout=30):
+        assert "b.weight" in message and "b.bias" in message and "never.weight" in message
+        assert "find_unused_parameters=True" in message
+        assert "a.weight" not in message
+
+
+def rebuild(rank, world_size):
+    class Reordered(nn.Module):  # registration order differs from the order gradients arrive
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.late = nn.Linear(16, 4)
+            self.early = nn.Linear(8, 16)
+
+        def forward(self, x):
+            return self.late(self.early(x))
+
+    model = gradsync.DDP(Reordered(), bucket_cap_mb=0.0006, first_bucket_cap_mb=0.0003)
+    before = model.reducer.bucket_plan()
+    plans = []
+    for x, y in batches(3, world_size):
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        plans.append(model.reducer.bucket_plan())
+    return before, plans, grads(model.module)
+
+
+def test_buckets_are_rebuilt_once_from_the_observed_order():
+    results = run_ranks(rebuild, 2)
+    names = ["late.weight", "late.bias", "early.weight", "early.bias"]
+    for before, plans, _ in results:
+        # registration order reversed puts early.* first; gradients arrive for late.* first
+        assert names[before[0][0]].startswith("early")
+        assert names[plans[0][0][0]].startswith("late")
+        assert plans[0] == plans[1] == plans[2]
+    assert results[0][1] == results[1][1]
+
+
+class Checkpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inner = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True)
+        return self.head(h + torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=True))
+
+
+def static(rank, world_size, static_graph):
+    model = gradsync.DDP(Checkpointed(), static_graph=static_graph)
+    out = []
+    for step, (x, y) in enumerate(batches(3, world_size)):
+        xs = shard(x, rank, world_size).requires_grad_()
+        loss = F.mse_loss(model(xs), shard(y, rank, world_size))
+        loss.backward()
+        out.append(grads(model.module))
+        for p in model.parameters():
+            p.grad = None
+    return out
+
+
+def test_static_graph_handles_reentrant_checkpointing():
+    results = run_ranks(static, 2, True)
+    ref = Checkpointed()
+    for step, (x, y) in enumerate(batches(3, 2)):
+        for p in ref.parameters():
+            p.grad = None
+        F.mse_loss(ref(x.requires_grad_()), y).backward()
+        for got in results:
+            assert_close_dicts(got[step], grads(ref))
+
+
+def test_reentrant_checkpointing_without_static_graph_raises_ready_twice():
+    with pytest.raises(Exception, match="marked ready twice"):
+        run_ranks(static, 2, False, timeout=30, pg_timeout=5)
+
+
+class Switch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def static_changes(rank, world_size):
+    model = gradsync.DDP(Switch(), static_graph=True)
+    for step, (x, y) in enumerate(batches(3, world_size)):
+        loss = F.mse_loss(model(shard(x, rank, world_size), use_b=step < 2), shard(y, rank, world_size))
+        if step < 2:
+            loss.backward()
+        else:
+            with pytest.raises(RuntimeError, match="static_graph=True.*b.weight.*graph changed"):
+                loss.backward()
+
+
+def test_static_graph_that_changes_raises():
+    run_ranks(static_changes, 2, timeout=30)
+
+
+class Mixed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.f32 = nn.Linear(8, 8)
+        self.f64 = nn.Linear(8, 8).double()
+        self.bf16 = nn.Linear(8, 8).to(torch.bfloat16)
+        self.frozen = nn.Linear(8, 4).requires_grad_(False)
+
+    def forward(self, x):
+        h = self.f64(self.f32(x).double()).float()
+        h = self.bf16(h.bfloat16()).float()
+        return self.frozen(h)
+
+
+def mixed(rank, world_size):
+    model = gradsync.DDP(Mixed())
+    dtypes = [{model.reducer.params[i].dtype for i in b.members} for b in model.reducer.buckets]
+    x, y = batches(1, world_size)[0]
+    F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    return dtypes, grads(model.module), model.module.frozen.weight.grad
+
+
+def test_mixed_dtypes_get_separate_buckets_and_frozen_params_are_left_alone():
+    results = run_ranks(mixed, 2)
+    ref = Mixed()
+    x, y = batches(1, 2)[0]
+    F.mse_loss(ref(x), y).backward()
+    want = grads(ref)
+    for dtypes, got, frozen_grad in results:
+        assert all(len(d) == 1 for d in dtypes) and len(dtypes) == 3
+        assert frozen_grad is None and "frozen.weight" not in got
+        for name in want:
+            tol = 2e-2 if name.startswith("bf16") else 1e-5
+            torch.testing.assert_close(got[name], want[name], atol=tol, rtol=tol)
+
+
+def changed_after_wrapping(rank, world_size, how):
+    module = mlp()
+    model = gradsync.DDP(module)
+    if how == "added":
+        module.extra = nn.Linear(2, 2)
+    elif how == "frozen":
+        module[0].weight.requires_grad_(False)
+    else:
+        module[-1].bias.requires_grad_(True)
+        module[0].bias.requires_grad_(False)
+        module[0].bias.requires_grad_(True)
+        module[-1].weight = nn.Parameter(module[-1].weight.detach().clone())
+    with pytest.raises(RuntimeError, match="parameters changed after it was wrapped"):
+        model(torch.randn(2, 8))
+
+
+@pytest.mark.parametrize("how", ["added", "frozen", "replaced"])
+def test_parameters_changed_after_wrapping_raise(how):
+    run_ranks(changed_after_wrapping, 2, how)
+
+
+def misuse(rank, world_size, what):
+    if what == "double_backward":
+        model = gradsync.DDP(mlp())
+        loss = model(torch.randn(2, 8)).sum()
+        loss.backward(retain_graph=True)
+        with pytest.raises(RuntimeError, match="backward ran without a forward"):
+            loss.backward()
+    elif what == "wrap_twice":
+        inner = mlp()
+        model = gradsync.DDP(inner)
+        with pytest.raises(ValueError, match="already wrapped"):
+            gradsync.DDP(model)
+        with pytest.raises(ValueError, match="already wrapped"):
+            gradsync.DDP(nn.parallel.DistributedDataParallel(mlp()))
+        with pytest.raises(ValueError, match="wrapped only once"):
+            gradsync.DDP(nn.Sequential(inner))
+    elif what == "lazy":
+        with pytest.raises(ValueError, match="lazy"):
+            gradsync.DDP(nn.LazyLinear(4))
+    elif what == "bad_timeout":
+        with pytest.raises(ValueError, match="timeout"):
+            gradsync.DDP(mlp(), timeout=-1)
+
+
+@pytest.mark.parametrize("what", ["double_backward", "wrap_twice", "lazy", "bad_timeout"])
+def test_misuse_errors(what):
+    run_ranks(misuse, 2, what)
