@@ -1,0 +1,218 @@
+"""Communication hooks: torch's own hooks unchanged, gradsync's built-ins, hook rules, the trace."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+import gradsync
+from gradsync.launch import run_ranks
+from helpers import assert_close_dicts, batches, grads, mlp, shard
+
+SMALL_BUCKETS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
+
+
+def with_hook(rank, world_size, hook_name, view):
+    hook = {
+        "torch_allreduce": default_hooks.allreduce_hook,
+        "torch_fp16": default_hooks.fp16_compress_hook,
+        "torch_bf16": default_hooks.bf16_compress_hook,
+        "fp16": gradsync.fp16_compress_hook,
+        "bf16": gradsync.bf16_compress_hook,
+        "gradsync_allreduce": gradsync.allreduce_hook,
+    }[hook_name]
+    model = gradsync.DDP(mlp(seed=0), gradient_as_bucket_view=view, **SMALL_BUCKETS)
+    model.register_comm_hook(None, hook)
+    out = []
+    for x, y in batches(2, world_size):
+        for p in model.parameters():
+            p.grad = None
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        out.append(grads(model.module))
+    return out
+
+
+def reference_grads(world_size, steps=2):
+    ref = mlp(seed=0)
+    out = []
+    for x, y in batches(steps, world_size):
+        ref.zero_grad(set_to_none=True)
+        F.mse_loss(ref(x), y).backward()
+        out.append(grads(ref))
+    return out
+
+
+@pytest.mark.parametrize("hook_name,tol", [("torch_allreduce", 1e-5), ("gradsync_allreduce", 1e-5),
+                                           ("torch_fp16", 2e-3), ("torch_bf16", 2e-2),
+                                           ("fp16", 2e-3), ("bf16", 2e-2)])
+@pytest.mark.parametrize("view", [False, True])
+def test_hooks_produce_the_averaged_gradient(hook_name, tol, view):
+    results = run_ranks(with_hook, 2, hook_name, view)
+    want = reference_grads(2)
+    for got in results:
+        for g, w in zip(got, want):
+            assert_close_dicts(g, w, atol=tol, rtol=tol)
+    for g0, g1 in zip(*results):  # every rank holds the same reduced gradient
+        for name in g0:
+            assert torch.equal(g0[name], g1[name])
+
+
+def chained(rank, world_size):
+    model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
+    seen = []
+
+    def hook(state, bucket):
+        seen.append((bucket.index(), bucket.is_last(), bucket.buffer().numel(),
+                     [g.shape for g in bucket.gradients()] == [p.shape for p in bucket.parameters()],
+                     all(g.data_ptr() >= bucket.buffer().data_ptr() for g in bucket.gradients())))
+        fut = dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+        # sum -> average -> doubled -> halved: the chain must run in order on the value
+        return (fut.then(lambda f: f.value()[0] / world_size)
+                   .then(lambda f: f.value() * 2)
+                   .then(lambda f: f.value() / 2))
+
+    model.register_comm_hook(state={"anything": 1}, hook=hook)
+    x, y = batches(1, world_size)[0]
+    F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    return seen, len(model.reducer.buckets), grads(model.module)
+
+
+def test_custom_hook_chaining_then_callbacks_in_bucket_order():
+    for seen, n_buckets, got in run_ranks(chained, 2):
+        assert [s[0] for s in seen] == list(range(n_buckets)) and n_buckets > 2
+        assert [s[1] for s in seen] == [False] * (n_buckets - 1) + [True]
+        assert all(s[3] and s[4] for s in seen)
+        assert_close_dicts(got, reference_grads(2, 1)[0])
+
+
+def hook_rules(rank, world_size, case):
+    model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
+    x, y = batches(1, world_size)[0]
+    run = lambda: F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()  # noqa: E731
+    if case == "not_callable":
+        with pytest.raises(TypeError, match="callable"):
+            model.register_comm_hook(None, "allreduce")
+    elif case == "twice":
+        model.register_comm_hook(None, gradsync.allreduce_hook)
+        with pytest.raises(RuntimeError, match="only be called once"):
+            model.register_comm_hook(None, gradsync.allreduce_hook)
+    elif case == "after_training":
+        run()
+        with pytest.raises(RuntimeError, match="before the first backward"):
+            model.register_comm_hook(None, gradsync.allreduce_hook)
+    elif case == "wrong_shape":
+        def bad(state, bucket):
+            fut = torch.futures.Future()
+            fut.set_result(bucket.buffer()[:1])
+            return fut
+        model.register_comm_hook(None, bad)
+        with pytest.raises(TypeError, match="bucket 0 yielded a tensor of 1 elements"):
+            run()
+    elif case == "wrong_type":
+        def bad(state, bucket):
+            fut = torch.futures.Future()
+            fut.set_result("not a tensor")
+            return fut
+        model.register_comm_hook(None, bad)
+        with pytest.raises(TypeError, match="bucket 0 yielded str"):
+            run()
+    elif case == "not_a_future":
+        model.register_comm_hook(None, lambda state, bucket: bucket.buffer())
+        with pytest.raises(TypeError, match="must return a torch.futures.Future"):
+            run()
+
+
+@pytest.mark.parametrize("case", ["not_callable", "twice", "after_training", "wrong_shape", "wrong_type",
+                                  "not_a_future"])
+def test_hook_rules(case):
+    run_ranks(hook_rules, 2, case, pg_timeout=5)
+
+
+def noop_and_no_sync(rank, world_size):
+    model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
+    calls = []
+    model.register_comm_hook(calls, lambda state, bucket: (state.append(bucket.index()),
+                                                           gradsync.noop_hook(state, bucket))[1])
+    x, y = batches(1, world_size)[0]
+    xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+    with model.no_sync():
+        F.mse_loss(model(xs), ys).backward()
+    calls_in_no_sync = len(calls)
+    local = grads(model.module)
+    for p in model.parameters():
+        p.grad = None
+    F.mse_loss(model(xs), ys).backward()
+    return calls_in_no_sync, len(calls), local, grads(model.module)
+
+
+def test_no_hook_calls_under_no_sync_and_noop_hook_keeps_local_gradients():
+    for calls_in_no_sync, calls, local, synced in run_ranks(noop_and_no_sync, 2):
+        assert calls_in_no_sync == 0 and calls > 0
+        assert_close_dicts(synced, local)
+
+
+class Branches(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)
+
+    def forward(self, x, use_b):
+        return self.a(x) + (self.b(x) if use_b else 0)
+
+
+def hook_with_unused(rank, world_size):
+    model = gradsync.DDP(Branches(), find_unused_parameters=True, bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    model.register_comm_hook(None, default_hooks.allreduce_hook)
+    x, y = batches(1, world_size)[0]
+    F.mse_loss(model(shard(x, rank, world_size), use_b=rank == 0), shard(y, rank, world_size)).backward()
+    return grads(model.module)
+
+
+def test_hooks_with_unused_parameters():
+    results = run_ranks(hook_with_unused, 2)
+    x, y = batches(1, 2)[0]
+    want = {}
+    for rank in range(2):
+        m = Branches()
+        F.mse_loss(m(shard(x, rank, 2), use_b=rank == 0), shard(y, rank, 2)).backward()
+        for n, p in m.named_parameters():
+            g = (p.grad if p.grad is not None else torch.zeros_like(p)) / 2
+            want[n] = want.get(n, 0) + g
+    for got in results:
+        assert_close_dicts(got, want)
+
+
+class Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.Sequential(*[nn.Linear(256, 256) for _ in range(6)])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+def overlap(rank, world_size):
+    model = gradsync.DDP(Deep(), bucket_cap_mb=0.3, first_bucket_cap_mb=0.3)
+    trace = model.enable_comm_trace()
+    reached_input = []
+    for _ in range(2):
+        x = torch.randn(16, 256).requires_grad_()
+        x.register_hook(lambda g: reached_input.append(__import__("time").perf_counter()))
+        model(x).sum().backward()
+    return trace, reached_input, len(model.reducer.buckets)
+
+
+def test_trace_shows_the_first_bucket_launched_before_backward_reaches_the_input():
+    for trace, reached_input, n_buckets in run_ranks(overlap, 2):
+        assert n_buckets >= 2 and len(trace) == 2
+        for it, t_input in zip(trace, reached_input):
+            first = it["buckets"][0]
+            assert it["backward_start"] <= first["ready"] <= first["launch"] < t_input
+            assert first["launch"] <= first["done"] <= it["backward_end"]
+            assert [b["index"] for b in it["buckets"]] == list(range(n_buckets))
+            assert sum(b["bytes"] for b in it["buckets"]) == 6 * (256 * 256 + 256) * 4
+
