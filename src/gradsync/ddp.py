@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
@@ -12,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import CommHook
-from .reducer import Reducer, SyncError
+from .reducer import Reducer, SyncError, bounded_wait
 
 
 # id -> parameter, for parameters owned by a live gradsync wrapper (a WeakSet would compare tensors)
@@ -42,9 +43,25 @@ def describe(module: nn.Module) -> list[tuple]:
     return rows
 
 
-def verify_same_model(module: nn.Module, group: dist.ProcessGroup) -> None:
+def verify_same_model(module: nn.Module, group: dist.ProcessGroup,
+                      timeout: timedelta | None = None) -> None:
     """Raise on every rank if any rank's parameters or buffers differ from rank 0's."""
     mine = describe(module)
+    if timeout is not None:  # compare digests with a bounded collective; details only on a mismatch
+        digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
+        digests = torch.zeros(dist.get_world_size(group), dtype=torch.int64)
+        digests[dist.get_rank(group)] = digest
+        try:
+            bounded_wait(dist.all_reduce(digests, group=group, async_op=True), timeout)
+        except Exception as exc:
+            raise SyncError(
+                f"gradsync: rank {dist.get_rank(group)} waited for the other ranks to construct "
+                f"DistributedDataParallel and they did not within {timeout.total_seconds():g}s: {exc}. "
+                "Likely cause: another rank died, raised before wrapping its model, or wraps a "
+                "different number of models."
+            ) from exc
+        if len(set(digests.tolist())) == 1:
+            return
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
@@ -70,12 +87,13 @@ def _first_difference(reference: list[tuple], rows: list[tuple]) -> str:
             f"{count(reference, 'parameter')} and {count(reference, 'buffer')}")
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, wait) -> None:
-    """Overwrite ``tensors`` with group rank 0's values, one collective per dtype and device."""
+def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, wait,
+                        src_rank: int = 0) -> None:
+    """Overwrite ``tensors`` with group rank ``src_rank``'s values, one collective per dtype and device."""
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
-    src = dist.get_global_rank(group, 0)
+    src = dist.get_global_rank(group, src_rank)
     for same in by_kind.values():
         flat = torch.cat([t.detach().reshape(-1) for t in same])
         wait(dist.broadcast(flat, src=src, group=group, async_op=True))
@@ -112,7 +130,9 @@ class DistributedDataParallel(nn.Module):
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel``: same constructor keywords, same
     ``no_sync()``, comm hooks and ``module.``-prefixed state dict. ``timeout`` bounds every wait
-    on a collective (default: the process group's timeout).
+    on a collective (default: the process group's timeout). ``check_finite=True`` checks each
+    reduced bucket for NaN/inf and raises ``FloatingPointError`` naming the parameters before the
+    gradients are written back. ``join()`` finishes an epoch whose ranks have uneven inputs.
     """
 
     reducer_class = Reducer  # subclasses swap in another reduction strategy (e.g. sharded)
@@ -122,7 +142,7 @@ class DistributedDataParallel(nn.Module):
                  first_bucket_cap_mb: float = 1.0, find_unused_parameters: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  timeout: timedelta | float | None = None, device_ids: Any = None,
-                 output_device: Any = None, dim: int = 0):
+                 output_device: Any = None, dim: int = 0, check_finite: bool = False):
         super().__init__()
         trainable = check_wrappable(module)
         self.module = module
@@ -133,15 +153,17 @@ class DistributedDataParallel(nn.Module):
         self.timeout = resolve_timeout(timeout, self.process_group, trainable[0][1].device)
         self.world_size = dist.get_world_size(self.process_group)
 
-        verify_same_model(module, self.process_group)
+        verify_same_model(module, self.process_group, self.timeout)
         names = [n for n, _ in trainable]
         params = [p for _, p in trainable]
         self.reducer = self.reducer_class(
-            params, names, self.process_group, should_sync=lambda: self.require_backward_grad_sync,
+            params, names, self.process_group, should_sync=self._backward_syncs,
             bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
             find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             timeout=self.timeout)
+        self.reducer.check_finite = check_finite
+        self._join: Any = None  # the active gradsync.join.Join while inside model.join()
         if self.world_size > 1:
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()),
                                 self.process_group, self._wait)
@@ -149,19 +171,54 @@ class DistributedDataParallel(nn.Module):
         _WRAPPED.update((id(p), p) for p in params)
 
     def _wait(self, work: dist.Work) -> None:
-        self.reducer._wait(work, "a broadcast from rank 0")
+        self.reducer._wait(work, "a broadcast of parameters or buffers")
+
+    def _broadcast(self, tensors: list[torch.Tensor], src_rank: int = 0) -> None:
+        broadcast_coalesced(tensors, self.process_group, self._wait, src_rank)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self.reducer.prepare_for_forward()
         self._check_parameters_unchanged()
+        self._check_group()
+        src = self._join.before_forward() if self._join is not None else 0
         if self.broadcast_buffers and self.world_size > 1:
             buffers = list(self.module.buffers())
             if buffers:
-                broadcast_coalesced(buffers, self.process_group, self._wait)
+                broadcast_coalesced(buffers, self.process_group, self._wait, src)
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
             self.reducer.prepare_for_backward(output)
         return output
+
+    def _check_group(self) -> None:
+        try:
+            ok = dist.is_initialized() and dist.get_rank(self.process_group) >= 0
+        except (ValueError, RuntimeError):
+            ok = False
+        if not ok:
+            raise RuntimeError(
+                "gradsync: the model's process group was destroyed (or torch.distributed was shut "
+                "down); DistributedDataParallel cannot communicate any more. Call model.module(...) "
+                "for local inference, or init_process_group() again and wrap a new model."
+            )
+
+    def _backward_syncs(self) -> bool:
+        sync = self.require_backward_grad_sync
+        if self._join is not None:
+            self._join.check_backward(sync)
+        return sync
+
+    def join(self, enable: bool = True):
+        """Return a context manager for uneven inputs: wrap the training loop in ``with model.join():``.
+
+        A rank whose loop ends early keeps taking part in the others' collectives with zero
+        gradients until every rank is done (gradients divide by the full world size, like
+        torch's default); then parameters and buffers are copied from a rank that ran longest.
+        Inside it, decide ``no_sync`` before each forward, and follow each forward made with
+        gradients enabled by exactly one backward.
+        """
+        from .join import Join
+        return Join(self, enable)
 
     def _check_parameters_unchanged(self) -> None:
         snapshot = self._param_snapshot

@@ -7,10 +7,13 @@ every rank, so collectives pair up across ranks even when hooks fire in differen
 end of backward is caught with the autograd engine's queued callback, where the reducer waits
 (bounded) for every bucket and writes the averages back into ``.grad``.
 
-Each synced backward ends with one small control all-reduce carrying every rank's backward
-counter and a per-parameter "used" count. It lets every rank (a) notice that ranks disagree
-about which backward syncs, (b) name parameters some rank produced no gradient for, and (c)
-find parameters unused on every rank, all without an extra round trip in the hot path.
+Each synced backward ends with one small control all-reduce carrying every rank's backward and
+forward counters, a per-parameter "used" count and a "present" count. It lets every rank (a)
+notice that ranks disagree about which backward syncs or that a rank skipped a backward, (b)
+name parameters some rank produced no gradient for, (c) find parameters unused on every rank,
+and (d) notice a control that paired with some other collective (the present count is wrong),
+all without an extra round trip in the hot path. gloo never pairs a broadcast with an
+all-reduce, so a rank whose sequence of collectives diverged waits until ``timeout`` instead.
 """
 from __future__ import annotations
 
@@ -76,10 +79,13 @@ class Reducer:
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None
         self.trace: list[dict] | None = None  # set to [] to record a timeline per synced backward
+        self.check_finite = False  # check each reduced bucket for NaN/inf before writing back
+        self.active_ranks: list[int] | None = None  # set per forward inside DDP.join(); None: all
 
         n = len(self.params)
         self.backward_count = 0  # every backward, synced or not: the divergence check compares it
         self.sync_count = 0
+        self.forward_count = 0  # forwards that may be followed by a backward: catches skipped backwards
         self._in_backward = False
         self._syncing = False
         self._expect_backward = False
@@ -135,6 +141,7 @@ class Reducer:
     def prepare_for_backward(self, outputs: Any) -> None:
         """Note that a backward may follow; with ``find_unused_parameters``, find reachable params."""
         self._expect_backward = True
+        self.forward_count += 1
         if self.find_unused_parameters and not (self.static_graph and self._static_counts is not None):
             self._reachable |= self._reachable_params(outputs)
 
@@ -180,6 +187,8 @@ class Reducer:
         self._expect_backward = False
         self._in_backward = True
         self.backward_count += 1
+        if self.backward_count == 1:  # gradients restored from a mid-window checkpoint are window state
+            self._window_used = [p.grad is not None for p in self.params]
         self._syncing = bool(self.should_sync())
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if not self._syncing:
@@ -307,17 +316,17 @@ class Reducer:
         for i in missing:  # launch every bucket anyway so peers are not left waiting
             self._mark_ready(i, from_hook=False)
 
-        control = torch.zeros(self.world_size + n, dtype=torch.int32)
-        control[self.rank] = self.backward_count
         tracks_unused = self.find_unused_parameters or self.static_graph
         used = self._window_used if tracks_unused else self._ready_in_hooks(missing)
-        control[self.world_size:] = torch.tensor(used, dtype=torch.int32)
+        control = self._control(used)
         control_work = dist.all_reduce(control, group=self.group, async_op=True)
 
         results = [self._wait_bucket(b) for b in self.buckets]
         self._wait(control_work, "the end-of-backward check")
         self._check_agreement(control)
-        counts = control[self.world_size:].tolist()
+        counts = control[self.world_size:self.world_size + n].tolist()
+        if self.check_finite:
+            self._check_finite(results)
         if graph_changed:
             names = ", ".join(self.names[i] for i in missing)
             raise RuntimeError(
@@ -358,20 +367,18 @@ class Reducer:
                 f"gradsync: the communication hook's future for bucket {bucket.index} yielded {what}; "
                 f"expected a tensor of {bucket.buffer.numel()} elements (the bucket's buffer)"
             )
+        if result.dtype != bucket.buffer.dtype:
+            raise TypeError(
+                f"gradsync: the communication hook's future for bucket {bucket.index} yielded a "
+                f"{result.dtype} tensor; expected {bucket.buffer.dtype} (the bucket's dtype). A "
+                "compressing hook must decompress into the bucket's dtype before returning."
+            )
         return result
 
     def _wait(self, handle: Any, what: str) -> None:
         """Wait for a Work or Future, bounded by ``self.timeout``, with a useful error."""
         try:
-            if isinstance(handle, torch._C.Future):
-                deadline = time.monotonic() + self.timeout.total_seconds()
-                while not handle.done():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError("operation timed out")
-                    time.sleep(0.0002)
-                handle.wait()  # re-raises an error the future holds
-            else:
-                handle.wait(self.timeout)
+            bounded_wait(handle, self.timeout)
         except Exception as exc:
             raise SyncError(
                 f"gradsync: rank {self.rank} waited for {what} of synced backward {self.sync_count} "
@@ -380,18 +387,57 @@ class Reducer:
                 "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync."
             ) from exc
 
+    def _control(self, used: list[bool]) -> torch.Tensor:
+        """Layout: [backward counter per rank | used count per param | forward counter per rank | present]."""
+        w, n = self.world_size, len(self.params)
+        control = torch.zeros(2 * w + n + 1, dtype=torch.int32)
+        control[self.rank] = self.backward_count
+        control[w:w + n] = torch.tensor(used, dtype=torch.int32)
+        control[w + n + self.rank] = self.forward_count
+        control[-1] = 1
+        return control
+
     def _check_agreement(self, control: torch.Tensor) -> None:
-        counters = control[: self.world_size].tolist()
-        if len(set(counters)) > 1:
-            detail = ", ".join(f"rank {r}: backward {c}" for r, c in enumerate(counters))
+        w, n = self.world_size, len(self.params)
+        active = self.active_ranks if self.active_ranks is not None else list(range(w))
+        backward = control[:w].tolist()
+        forward = control[w + n:2 * w + n].tolist()
+        idle = [r for r in range(w) if r not in active]
+        if (int(control[-1]) != len(active) or any(backward[r] <= 0 for r in active)
+                or any(backward[r] or forward[r] for r in idle)):
+            raise SyncError(
+                f"gradsync: rank {self.rank}'s end-of-backward check of synced backward "
+                f"{self.sync_count} paired with a different collective on another rank: the ranks ran "
+                "different sequences of collectives (a rank skipped a backward or a forward, ran a "
+                "different number of micro-steps, or disagreed about no_sync). No gradients were "
+                "applied; the process group is out of step, restart the job from a checkpoint."
+            )
+        if len({backward[r] for r in active}) > 1 or len({forward[r] for r in active}) > 1:
+            detail = ", ".join(f"rank {r}: forward {forward[r]}, backward {backward[r]}" for r in active)
             raise SyncError(
                 f"gradsync: ranks disagree about which backward synchronizes gradients ({detail}). "
-                "A rank skipped a backward, ran a different number of micro-steps in an accumulation "
-                "window, or entered no_sync() when another did not. No gradients were applied."
+                "A rank skipped a backward (a forward without backward counts as skipped), ran a "
+                "different number of micro-steps in an accumulation window, or entered no_sync() "
+                "when another did not. No gradients were applied."
             )
 
+    def _check_finite(self, results: list[torch.Tensor]) -> None:
+        flags = torch.stack([torch.isfinite(r).all() for r in results])  # one check per bucket
+        if bool(flags.all()):
+            return
+        bad = [self.names[i] for b, r in zip(self.buckets, results) for i, v in
+               zip(b.members, r.reshape(-1).split([self.params[i].numel() for i in b.members]))
+               if not bool(torch.isfinite(v).all())]
+        raise FloatingPointError(
+            f"gradsync: the synchronized gradient of {len(bad)} parameter(s) contains NaN or inf: "
+            f"{', '.join(bad[:20])}{' ...' if len(bad) > 20 else ''} (on at least one rank the local "
+            "gradient was not finite). The gradients were not written back; skip this step "
+            "(optimizer.zero_grad()) or lower the learning rate / use loss scaling."
+        )
+
     def _check_missing(self, counts: list[int]) -> None:
-        absent = [self.names[i] for i, c in enumerate(counts) if c < self.world_size]
+        expected = self.world_size if self.active_ranks is None else len(self.active_ranks)
+        absent = [self.names[i] for i, c in enumerate(counts) if c < expected]
         if absent:
             shown = ", ".join(absent[:20]) + (f" and {len(absent) - 20} more" if len(absent) > 20 else "")
             raise RuntimeError(
@@ -456,9 +502,25 @@ def _check_grad(grad: torch.Tensor, view: torch.Tensor, name: str) -> None:
     if grad.layout != torch.strided:
         raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.layout} gradient; only dense "
                            "gradients are supported (e.g. nn.Embedding(sparse=False))")
+    if grad.dtype != view.dtype:
+        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.dtype} gradient, but it and its "
+                           f"bucket are {view.dtype}; assign gradients of the parameter's dtype")
     if grad.shape != view.shape:
         raise RuntimeError(f"gradsync: parameter '{name}' has a gradient of shape {tuple(grad.shape)}, "
                            f"expected {tuple(view.shape)}")
+
+
+def bounded_wait(handle: Any, timeout: timedelta) -> None:
+    """Wait for a ``dist.Work`` or a future; raise its error, or TimeoutError after ``timeout``."""
+    if isinstance(handle, torch._C.Future):
+        deadline = time.monotonic() + timeout.total_seconds()
+        while not handle.done():
+            if time.monotonic() > deadline:
+                raise TimeoutError("operation timed out")
+            time.sleep(0.0002)
+        handle.wait()  # re-raises an error the future holds
+    else:
+        handle.wait(timeout)
 
 
 def _tensors(obj: Any):

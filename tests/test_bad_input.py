@@ -1,0 +1,96 @@
+"""Bad input: non-finite gradients, broken comm hooks, wrong-dtype gradients."""
+import pytest
+import torch
+
+import gradsync
+from helpers import batches, grads, mlp
+from test_faults import SLACK, TIMEOUT, faults, outcome, step
+
+
+def non_finite(rank, world_size, check, value):
+    model = gradsync.DDP(mlp(), timeout=TIMEOUT, check_finite=check)
+    if rank == 1:  # one parameter's local gradient goes bad on one rank
+        model.module[2].weight.register_hook(lambda g: g * value)
+    x, y = batches(1, world_size)[0]
+    result = outcome(lambda: step(model, rank, world_size, x, y))
+    return result, grads(model.module)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_check_finite_names_the_parameter_on_every_rank(value):
+    for rank, ((kind, message, seconds), local) in enumerate(faults(non_finite, True, value)):
+        assert kind == "FloatingPointError", message
+        assert "2.weight" in message and "1 parameter(s)" in message
+        assert "0.weight" not in message and "2.bias" not in message
+        # nothing was written back: .grad holds the rank's own (unsynchronized) gradient
+        assert torch.isfinite(local["2.weight"]).all() == (rank == 0)
+
+
+def test_without_check_finite_nan_propagates_to_every_rank():
+    for (kind, message, _), got in faults(non_finite, False, float("nan")):
+        assert kind == "ok", message
+        assert torch.isnan(got["2.weight"]).all() and torch.isfinite(got["2.bias"]).all()
+
+
+def raising_hook(rank, world_size, where):
+    model = gradsync.DDP(mlp(), timeout=TIMEOUT)
+
+    def hook(state, bucket):
+        if rank == 1 and where == "call":
+            raise ValueError("hook exploded")
+        fut = gradsync.allreduce_hook(None, bucket)
+        if rank == 1 and where == "future":
+            def fail(f):
+                raise ValueError("hook exploded")
+            return fut.then(fail)
+        return fut
+
+    model.register_comm_hook(None, hook)
+    x, y = batches(1, world_size)[0]
+    return outcome(lambda: step(model, rank, world_size, x, y))
+
+
+@pytest.mark.parametrize("where", ["call", "future"])
+def test_comm_hook_that_raises(where):
+    (kind0, message0, seconds0), (kind1, message1, _) = faults(raising_hook, where)
+    assert "hook exploded" in message1, message1
+    assert kind1 == ("SyncError" if where == "future" else "ValueError")
+    # rank 0 waits (bounded) for collectives rank 1 never finishes
+    assert kind0 == "SyncError" and "waited for" in message0, message0
+    assert seconds0 < TIMEOUT + SLACK
+    print(f"\n[measured] comm hook raised on the peer ({where}): {seconds0:.2f}s")
+
+
+def wrong_dtype_hook(rank, world_size):
+    model = gradsync.DDP(mlp(), timeout=TIMEOUT)
+    model.register_comm_hook(None, lambda state, bucket: gradsync.allreduce_hook(None, bucket).then(
+        lambda f: f.value().double()))
+    x, y = batches(1, world_size)[0]
+    return outcome(lambda: step(model, rank, world_size, x, y))
+
+
+def test_comm_hook_returning_the_wrong_dtype():
+    for kind, message, _ in faults(wrong_dtype_hook):
+        assert kind == "TypeError" and "torch.float64" in message and "torch.float32" in message, message
+
+
+def wrong_dtype_grad(rank, world_size, allow):
+    model = gradsync.DDP(mlp(), timeout=TIMEOUT)
+    p = model.module[0].weight
+    if allow:  # torch refuses the assignment unless the parameter's grad_dtype is relaxed
+        p.grad_dtype = None
+    x, y = batches(1, world_size)[0]
+    with model.no_sync():
+        step(model, rank, world_size, x, y)
+
+    def assign_then_sync():
+        p.grad = p.grad.double()
+        step(model, rank, world_size, x, y)
+    return outcome(assign_then_sync)
+
+
+def test_wrong_dtype_gradient_assigned_by_hand():
+    for kind, message, _ in faults(wrong_dtype_grad, False):  # torch itself refuses
+        assert kind == "RuntimeError" and "dtype" in message and "double" in message, message
+    for kind, message, _ in faults(wrong_dtype_grad, True):  # gradsync names the parameter
+        assert kind == "RuntimeError" and "'0.weight'" in message and "torch.float64" in message, message

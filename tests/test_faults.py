@@ -1,0 +1,170 @@
+"""Dead, stuck and diverging ranks: the survivors get a clear gradsync error within the bound."""
+import os
+import signal
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync.launch import RankError, run_ranks
+from helpers import batches, mlp, shard
+
+TIMEOUT = 2.0  # gradsync's bound on every wait in these tests
+SLACK = 2.5  # scheduling noise on a loaded 2-core machine
+
+
+class Normed(nn.Module):
+    """A model with buffers, so every forward starts with a buffer broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 4)
+        self.bn = nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.bn(self.lin(x))
+
+
+def make(buffers=False, **kw):
+    return gradsync.DDP(Normed() if buffers else mlp(), timeout=TIMEOUT, **kw)
+
+
+def outcome(fn):
+    """Run ``fn``; return ("ok", None, seconds) or (exception type name, message, seconds)."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return "ok", None, time.monotonic() - start
+
+
+def faults(fn, *args, world_size=2):
+    return run_ranks(fn, world_size, *args, timeout=40, pg_timeout=6, return_errors=True)
+
+
+def step(model, rank, world_size, x, y):
+    F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+
+
+# ---------------------------------------------------------------- diverging ranks
+def diverge(rank, world_size, how, buffers):
+    model = make(buffers)
+    data = batches(4, world_size)
+
+    def loop():
+        for i, (x, y) in enumerate(data):
+            if rank == 1 and i == 1 and how == "no_sync":
+                with model.no_sync():
+                    step(model, rank, world_size, x, y)
+            elif rank == 1 and i == 1 and how == "skip_backward":
+                model(shard(x, rank, world_size))  # e.g. "if not loss.isfinite(): continue"
+            elif how == "micro_steps":  # windows of 2 micro-steps on rank 0, 3 on rank 1
+                with model.no_sync():
+                    for _ in range(1 + rank):
+                        step(model, rank, world_size, x, y)
+                step(model, rank, world_size, x, y)
+            else:
+                step(model, rank, world_size, x, y)
+    return outcome(loop)
+
+
+@pytest.mark.parametrize("buffers", [False, True], ids=["no_buffers", "buffers"])
+@pytest.mark.parametrize("how", ["no_sync", "skip_backward", "micro_steps"])
+def test_diverging_ranks_raise_on_every_rank(how, buffers):
+    for rank, (kind, message, seconds) in enumerate(faults(diverge, how, buffers)):
+        assert kind == "SyncError", (rank, kind, message)
+        assert seconds < TIMEOUT + SLACK, (rank, seconds)
+        if not buffers:  # the end-of-backward check pairs up: immediate, exact diagnosis
+            assert "ranks disagree about which backward synchronizes" in message
+            assert "rank 0: forward" in message and "rank 1: forward" in message
+        else:  # the buffer broadcast never pairs with a bucket all-reduce: the bound expires
+            assert f"within {TIMEOUT:g}s" in message and "disagreed about no_sync" in message
+        print(f"\n[measured] {how}/{'buffers' if buffers else 'no_buffers'} rank {rank}: {seconds:.2f}s")
+
+
+# ---------------------------------------------------------------- dead and stuck ranks
+def killed(rank, world_size, where):
+    model = make()
+    x, y = batches(1, world_size)[0]
+    if rank == 1:
+        target = model.module[0].weight
+        if where == "post_accumulate_grad_hook":
+            target.register_post_accumulate_grad_hook(lambda p: os._exit(3))
+        else:
+            model.module[0].register_full_backward_hook(
+                lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+    return outcome(lambda: step(model, rank, world_size, x, y))
+
+
+@pytest.mark.parametrize("where", ["post_accumulate_grad_hook", "module_backward_hook"])
+def test_rank_killed_mid_backward(where):
+    survivor, dead = faults(killed, where)
+    assert isinstance(dead, RankError) and ("died" in str(dead) or "without a result" in str(dead))
+    kind, message, seconds = survivor
+    assert kind == "SyncError" and "rank 0 waited for bucket" in message, message
+    assert "another rank died" in message
+    assert seconds < TIMEOUT + SLACK
+    print(f"\n[measured] killed in {where}: {seconds:.2f}s")
+
+
+def stuck_after_raising(rank, world_size, flag):
+    """Rank 1 raises in forward but its process stays alive: no connection reset helps rank 0."""
+    model = make()
+    x, y = batches(1, world_size)[0]
+    if rank == 1:
+        with pytest.raises(ValueError, match="bad batch"):
+            model.module.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(ValueError("bad batch")))
+            model(shard(x, rank, world_size))
+        deadline = time.monotonic() + 15
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return None
+    result = outcome(lambda: step(model, rank, world_size, x, y))
+    open(flag, "w").close()
+    return result
+
+
+def test_rank_raising_in_forward_does_not_hang_the_others(tmp_path):
+    survivor, other = faults(stuck_after_raising, str(tmp_path / "done"))
+    assert other is None
+    kind, message, seconds = survivor
+    assert kind == "SyncError" and f"did not finish within {TIMEOUT:g}s" in message, message
+    assert "synced backward 0" in message and "bucket" in message
+    assert TIMEOUT - 0.2 < seconds < TIMEOUT + SLACK
+    print(f"\n[measured] raise in forward (rank alive): {seconds:.2f}s")
+
+
+def late_constructor(rank, world_size, flag):
+    if rank == 1:  # never wraps its model
+        deadline = time.monotonic() + 15
+        while not os.path.exists(flag) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return None
+    result = outcome(make)
+    open(flag, "w").close()
+    return result
+
+
+def test_construction_is_bounded(tmp_path):
+    (kind, message, seconds), _ = faults(late_constructor, str(tmp_path / "done"))
+    assert kind == "SyncError" and "construct DistributedDataParallel" in message, message
+    assert seconds < TIMEOUT + SLACK
+    print(f"\n[measured] peer never constructs: {seconds:.2f}s")
+
+
+def after_destroy(rank, world_size):
+    import torch.distributed as dist
+    model = make(buffers=True)
+    dist.destroy_process_group()
+    return outcome(lambda: model(torch.randn(4, 8)).sum().backward())
+
+
+def test_model_called_after_the_group_was_destroyed():
+    for kind, message, seconds in faults(after_destroy):
+        assert kind == "RuntimeError" and "process group was destroyed" in message, message
+        assert seconds < 1

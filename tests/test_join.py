@@ -1,0 +1,106 @@
+"""Uneven inputs: ``with model.join():`` when ranks have different numbers of batches."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradsync
+from gradsync.launch import run_ranks
+from helpers import assert_close_dicts, batches, mlp, params, shard
+from test_faults import TIMEOUT, Normed, faults, outcome
+
+COUNTS = {"2_more": [3, 5], "one_rank_empty": [0, 2], "three_ranks": [4, 1, 2]}
+
+
+def uneven(rank, world_size, counts, accumulate, hook):
+    model = gradsync.DDP(mlp(seed=rank), bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005,
+                         timeout=TIMEOUT)
+    if hook:
+        model.register_comm_hook(None, gradsync.allreduce_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    data = batches(max(counts), world_size)[:counts[rank]]
+    with model.join():
+        for x, y in data:
+            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+            if accumulate:  # two micro-batches per step, the first without communication
+                with model.no_sync():
+                    (F.mse_loss(model(xs[:3]), ys[:3]) / 2).backward()
+                (F.mse_loss(model(xs[3:]), ys[3:]) / 2).backward()
+            else:
+                F.mse_loss(model(xs), ys).backward()
+            opt.step()
+            opt.zero_grad()
+    return params(model.module)
+
+
+def reference(world_size, counts, accumulate):
+    """One process: each step averages the active ranks' gradients over the full world size."""
+    model = mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for t, (x, y) in enumerate(batches(max(counts), world_size)):
+        active = [r for r in range(world_size) if counts[r] > t]
+        loss = 0
+        for r in active:
+            xs, ys = shard(x, r, world_size), shard(y, r, world_size)
+            if accumulate:
+                loss = loss + (F.mse_loss(model(xs[:3]), ys[:3]) + F.mse_loss(model(xs[3:]), ys[3:])) / 2
+            else:
+                loss = loss + F.mse_loss(model(xs), ys)
+        (loss / world_size).backward()
+        opt.step()
+        opt.zero_grad()
+    return params(model)
+
+
+@pytest.mark.parametrize("counts", list(COUNTS))
+@pytest.mark.parametrize("accumulate", [False, True], ids=["sync_each", "no_sync_window"])
+def test_join_matches_the_reference(counts, accumulate):
+    c = COUNTS[counts]
+    results = run_ranks(uneven, len(c), c, accumulate, False, timeout=40)
+    want = reference(len(c), c, accumulate)
+    for got in results:
+        assert_close_dicts(got, want, atol=1e-5)
+        for name in got:  # every rank ends with the same parameters, bit for bit
+            assert torch.equal(got[name], results[0][name]), name
+
+
+def test_join_with_a_comm_hook():
+    results = run_ranks(uneven, 2, [3, 5], False, True, timeout=40)
+    assert_close_dicts(results[0], reference(2, [3, 5], False))
+    assert_close_dicts(results[1], reference(2, [3, 5], False))
+
+
+def uneven_with_buffers(rank, world_size):
+    model = gradsync.DDP(Normed(), timeout=TIMEOUT)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.join():
+        for _ in range(2 + 2 * rank):
+            model(torch.randn(4, 8) + rank).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():  # a forward without gradients is shadowed too (buffers only)
+                model(torch.randn(4, 8))
+    return {n: t.clone() for n, t in model.module.state_dict().items()}
+
+
+def test_join_with_buffers_ends_with_identical_state():
+    a, b = run_ranks(uneven_with_buffers, 2, timeout=40)
+    assert int(a["bn.num_batches_tracked"]) == 8  # rank 1: 4 steps of 2 forwards; rank 0 alone would have 4
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def join_disagree(rank, world_size):
+    model = gradsync.DDP(mlp(), timeout=TIMEOUT)
+    x, y = batches(1, world_size)[0]
+
+    def body():
+        with model.join():
+            model.require_backward_grad_sync = rank == 0
+            F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    return outcome(body)
+
+
+def test_join_detects_no_sync_disagreement_at_the_forward():
+    for kind, message, seconds in faults(join_disagree):
+        assert kind == "SyncError" and "1 of 2 active ranks will sync" in message, message
+        assert seconds < 1
