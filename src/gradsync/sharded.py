@@ -43,7 +43,9 @@ class ShardedBucket(Bucket):
 class ShardedReducer(Reducer):
     """Reducer whose buckets are reduce-scattered into per-rank gradient shards."""
 
-    max_inflight = 2  # reduce-scatters in flight before backward waits for the oldest (bounds memory)
+    # reduce-scatters in flight before backward waits for the oldest: staging memory is about
+    # (max_inflight + 1) buckets; 1 keeps one collective overlapping the next bucket's backward
+    max_inflight = 1
 
     def __init__(self, params, names, process_group, **kwargs):
         if kwargs.get("gradient_as_bucket_view"):
