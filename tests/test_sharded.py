@@ -139,6 +139,7 @@ def clipping(rank, world_size, how):
     ours = gradsync.ShardedDataParallel(model(seed=0), **CAPS)
     theirs = nn.parallel.DistributedDataParallel(model(seed=0))
     opt_a, opt_b = optimizers("sgd", ours, theirs)
+    trace = ours.enable_comm_trace()
     data = batches(3 * K, world_size, per_rank=4)
     norms = []
     for w, norm_type in enumerate((2.0, float("inf"), 1.0)):
@@ -153,6 +154,9 @@ def clipping(rank, world_size, how):
         for opt in (opt_a, opt_b):
             opt.step()
             opt.zero_grad()
+    synced = 3 * K if how == "sync_each_batch" else 3
+    assert len(trace) == synced and all(b["launch"] <= b["done"] for it in trace for b in it["buckets"])
+    assert sum(b["bytes"] for b in trace[0]["buckets"]) == 4 * sum(b.numel for b in ours.reducer.buckets)
     return norms, params(ours.module), params(theirs.module)
 
 

@@ -265,27 +265,23 @@ class Reducer:
         tracing = self._iter_trace is not None
         if tracing:
             bucket.times["launch"] = time.perf_counter()
-        bucket.handle = self._start_collective(bucket)
+        if self.comm_hook is None:
+            bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
+            bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        else:
+            grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.views,
+                                     [self.params[i] for i in bucket.members],
+                                     bucket.index == len(self.buckets) - 1)
+            bucket.handle = self.comm_hook(self.comm_state, grad_bucket)
+            if not isinstance(bucket.handle, torch._C.Future):
+                raise TypeError(
+                    f"gradsync: the communication hook returned {type(bucket.handle).__name__} for "
+                    f"bucket {bucket.index}; it must return a torch.futures.Future of the reduced tensor"
+                )
         if tracing:
             fut = bucket.handle if isinstance(bucket.handle, torch._C.Future) else bucket.handle.get_future()
             times = bucket.times
             fut.add_done_callback(lambda _f: times.__setitem__("done", time.perf_counter()))
-
-    def _start_collective(self, bucket: Bucket) -> Any:
-        """Start reducing ``bucket``; return its dist.Work or Future (subclasses change the strategy)."""
-        if self.comm_hook is None:
-            bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
-            return dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.views,
-                                 [self.params[i] for i in bucket.members],
-                                 bucket.index == len(self.buckets) - 1)
-        handle = self.comm_hook(self.comm_state, grad_bucket)
-        if not isinstance(handle, torch._C.Future):
-            raise TypeError(
-                f"gradsync: the communication hook returned {type(handle).__name__} for "
-                f"bucket {bucket.index}; it must return a torch.futures.Future of the reduced tensor"
-            )
-        return handle
 
     # ---------------------------------------------------------------- end of backward
     def _finalize(self) -> None:

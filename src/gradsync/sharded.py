@@ -12,6 +12,7 @@ size in ``.grad`` and are reduce-scattered once, at the next synced backward.
 """
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -131,13 +132,12 @@ class ShardedReducer(Reducer):
             view.copy_(grad)
             p.grad = None  # the full-size gradient is not kept: its bucket holds it until reduced
 
-    def _start_collective(self, bucket: ShardedBucket) -> Any:
+    def _launch(self, bucket: ShardedBucket) -> None:
+        if self._iter_trace is not None:
+            bucket.times["launch"] = time.perf_counter()
         bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
         bucket.out = torch.empty(bucket.shard_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
-        return _reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
-
-    def _launch(self, bucket: ShardedBucket) -> None:
-        super()._launch(bucket)
+        bucket.handle = _reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
         self._inflight.append(bucket)
         while len(self._inflight) > self.max_inflight:
             self._fold(self._inflight.popleft())
@@ -145,6 +145,8 @@ class ShardedReducer(Reducer):
     def _fold(self, bucket: ShardedBucket) -> None:
         """Wait for ``bucket``'s reduce-scatter, add it to the shard and free the staging buffers."""
         self._wait(bucket.handle, f"bucket {bucket.index}")
+        if self._iter_trace is not None:  # gloo's reduce-scatter has no future: time the wait's end
+            bucket.times["done"] = time.perf_counter()
         bucket.grad_shard.add_(bucket.out)
         self.staging_bytes -= self._bucket_nbytes(bucket)
         bucket.buffer = bucket.out = bucket.handle = None
