@@ -44,8 +44,9 @@ class ShardedBucket(Bucket):
 class ShardedReducer(Reducer):
     """Reducer whose buckets are reduce-scattered into per-rank gradient shards."""
 
-    # reduce-scatters in flight before backward waits for the oldest: staging memory is about
-    # (max_inflight + 1) buckets; 1 keeps one collective overlapping the next bucket's backward
+    # reduce-scatters in flight at once (backward waits for the oldest before launching another):
+    # staging memory is about max_inflight + 1 buckets; 1 overlaps one bucket's reduce-scatter
+    # with the backward that fills the next bucket
     max_inflight = 1
 
     def __init__(self, params, names, process_group, **kwargs):
@@ -96,6 +97,14 @@ class ShardedReducer(Reducer):
     def _bucket_nbytes(self, bucket: ShardedBucket) -> int:
         return bucket.numel * bucket.flat_param.element_size()
 
+    def _staged_nbytes(self, bucket: ShardedBucket) -> int:
+        return sum(t.numel() * t.element_size() for t in (bucket.buffer, bucket.out) if t is not None)
+
+    def _track(self, delta: int) -> None:
+        """Account staging memory (buckets being filled or reduced), for benchmarks and tests."""
+        self.staging_bytes += delta
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
+
     def check_params_in_place(self) -> None:
         """Raise if a parameter no longer lives in its bucket's flat buffer."""
         moved = [self.names[i] for i, p in enumerate(self.params) if p.data_ptr() != self._param_ptrs[i]]
@@ -120,8 +129,7 @@ class ShardedReducer(Reducer):
             bucket.buffer = torch.empty_like(bucket.flat_param)
             end = bucket.offsets[-1] + self.params[bucket.members[-1]].numel()
             bucket.buffer[end:].zero_()  # padding
-            self.staging_bytes += self._bucket_nbytes(bucket)
-            self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
+            self._track(self._bucket_nbytes(bucket))
         p = self.params[i]
         view = bucket.buffer[self._offset_of[i]:self._offset_of[i] + p.numel()].view(p.shape)
         grad = p.grad
@@ -135,12 +143,13 @@ class ShardedReducer(Reducer):
     def _launch(self, bucket: ShardedBucket) -> None:
         if self._iter_trace is not None:
             bucket.times["launch"] = time.perf_counter()
+        while self._inflight and len(self._inflight) >= self.max_inflight:
+            self._fold(self._inflight.popleft())  # before allocating this bucket's output
         bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
         bucket.out = torch.empty(bucket.shard_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+        self._track(self._staged_nbytes(bucket) - self._bucket_nbytes(bucket))
         bucket.handle = _reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
         self._inflight.append(bucket)
-        while len(self._inflight) > self.max_inflight:
-            self._fold(self._inflight.popleft())
 
     def _fold(self, bucket: ShardedBucket) -> None:
         """Wait for ``bucket``'s reduce-scatter, add it to the shard and free the staging buffers."""
@@ -148,7 +157,7 @@ class ShardedReducer(Reducer):
         if self._iter_trace is not None:  # gloo's reduce-scatter has no future: time the wait's end
             bucket.times["done"] = time.perf_counter()
         bucket.grad_shard.add_(bucket.out)
-        self.staging_bytes -= self._bucket_nbytes(bucket)
+        self._track(-self._staged_nbytes(bucket))
         bucket.buffer = bucket.out = bucket.handle = None
 
     # ---------------------------------------------------------------- end of backward
@@ -170,8 +179,7 @@ class ShardedReducer(Reducer):
         super()._reset_iteration()
         self._inflight.clear()
         for b in self.buckets:
-            if b.buffer is not None:
-                self.staging_bytes -= self._bucket_nbytes(b)
+            self._track(-self._staged_nbytes(b))
             b.buffer = b.out = b.handle = None
 
     # ---------------------------------------------------------------- gradient shards
