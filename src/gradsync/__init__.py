@@ -2,9 +2,12 @@
 from .comm import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
 from .ddp import DDP, DistributedDataParallel
 from .reducer import SyncError
+from .sharded import ShardedDataParallel
+from .sharded_optim import ShardedOptimizer
 
 __version__ = "0.1.0"
 __all__ = [
     "DDP", "DistributedDataParallel", "GradBucket", "SyncError",
+    "ShardedDataParallel", "ShardedOptimizer",
     "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "noop_hook",
 ]

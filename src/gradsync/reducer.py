@@ -466,10 +466,12 @@ class Reducer:
         it = self._iter_trace
         it["backward_end"] = time.perf_counter()
         for b in self.buckets:
-            it["buckets"].append({"index": b.index, "bytes": b.buffer.numel() * b.buffer.element_size(),
-                                  **b.times})
+            it["buckets"].append({"index": b.index, "bytes": self._bucket_nbytes(b), **b.times})
         self.trace.append(it)
         self._iter_trace = None
+
+    def _bucket_nbytes(self, bucket: Bucket) -> int:
+        return bucket.buffer.numel() * bucket.buffer.element_size()
 
     def _rebuild_buckets(self) -> None:
         """Re-plan buckets once from rank 0's observed gradient-ready order."""

@@ -1,0 +1,294 @@
+"""ShardedDataParallel + ShardedOptimizer against torch's DDP + the same optimizer, in real gloo runs."""
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync.launch import run_ranks
+from helpers import assert_close_dicts, batches, mlp, params, shard
+
+CAPS = dict(bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)  # several buckets, odd sizes: padding
+K = 3  # micro-steps per window
+
+
+def model(seed):
+    return mlp(seed=seed, width=33, depth=5)
+
+
+def optimizers(kind, ours, theirs):
+    if kind == "sgd":
+        return (gradsync.ShardedOptimizer(ours, torch.optim.SGD, lr=0.05, momentum=0.9),
+                torch.optim.SGD(theirs.parameters(), lr=0.05, momentum=0.9))
+
+    def groups(m):  # weight decay on matrices only: per-parameter options
+        ps = list(m.module.parameters())
+        return [{"params": [p for p in ps if p.dim() > 1], "weight_decay": 0.1},
+                {"params": [p for p in ps if p.dim() <= 1], "weight_decay": 0.0}]
+    return (gradsync.ShardedOptimizer(ours, torch.optim.AdamW, param_groups=groups(ours), lr=0.01),
+            torch.optim.AdamW(groups(theirs), lr=0.01))
+
+
+def micro_step(m, x, y, sync, how):
+    """One micro-step's backward; ``how`` picks the way sync is switched off."""
+    if sync or how == "sync_each_batch":
+        (F.mse_loss(m(x), y) / K).backward()
+    elif how == "require_backward_grad_sync":
+        m.require_backward_grad_sync = False
+        (F.mse_loss(m(x), y) / K).backward()
+        m.require_backward_grad_sync = True
+    else:
+        with m.no_sync():
+            (F.mse_loss(m(x), y) / K).backward()
+
+
+def against_torch(rank, world_size, kind, how, windows):
+    ours = gradsync.ShardedDataParallel(model(seed=rank), **CAPS)  # ranks start apart: rank 0 wins
+    theirs = nn.parallel.DistributedDataParallel(model(seed=rank))
+    opt_a, opt_b = optimizers(kind, ours, theirs)
+    sched_a, sched_b = (torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (opt_a, opt_b))
+    data = batches(windows * K, world_size, per_rank=4)
+    for w in range(windows):
+        for m in range(K):
+            x, y = data[w * K + m]
+            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+            last = m == K - 1
+            micro_step(ours, xs, ys, last, how)
+            micro_step(theirs, xs, ys, last, "no_sync")
+        assert all(p.grad is None for p in ours.module.parameters())  # full-size grads released
+        assert all(b.buffer is None for b in ours.reducer.buckets)  # staging buffers freed
+        for opt, sched in ((opt_a, sched_a), (opt_b, sched_b)):
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    key = "momentum_buffer" if kind == "sgd" else "exp_avg"
+    held = sum(s[key].numel() for s in opt_a.optimizer.state.values())
+    biggest = max(b.numel for b in ours.reducer.buckets) * 4
+    return (params(ours.module), params(theirs.module), held, opt_a.state_dict(), opt_b.state_dict(),
+            ours.reducer.peak_staging_bytes, biggest, opt_a.param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("kind,how", [("sgd", "sync_each_batch"), ("sgd", "no_sync"),
+                                      ("adamw", "sync_each_batch"), ("adamw", "require_backward_grad_sync")])
+def test_matches_torch_ddp_with_the_same_optimizer(world_size, kind, how):
+    windows = 3
+    results = run_ranks(against_torch, world_size, kind, how, windows, timeout=90)
+    total = sum(p.numel() for p in model(0).parameters())
+    for ours, theirs, held, state_a, state_b, peak, biggest, lr in results:
+        assert_close_dicts(ours, theirs, atol=1e-5)
+        assert held <= math.ceil(total / world_size) + 8  # ~1/W of the state (+ padding)
+        # the full state gathered from shards is torch's own format and values
+        assert state_a["param_groups"] == [{**g, "initial_lr": g["initial_lr"]} for g in state_b["param_groups"]]
+        assert state_a["state"].keys() == state_b["state"].keys()
+        for j in state_b["state"]:
+            assert_close_dicts(state_a["state"][j], state_b["state"][j], atol=1e-5)
+        assert peak <= (gradsync.sharded.ShardedReducer.max_inflight + 1.5) * biggest  # not all buckets
+        assert lr == pytest.approx(0.01 * 0.7 ** windows if kind == "adamw" else 0.05 * 0.7 ** windows)
+    assert sum(r[2] for r in results) == total  # the shards tile the state exactly
+    for r in results[1:]:  # bit-for-bit agreement across ranks
+        for name in r[0]:
+            assert torch.equal(r[0][name], results[0][0][name]), name
+
+
+GLOBAL = 8  # rows per global micro-batch: divisible by 1, 2 and 4
+
+
+def checkpoint_run(rank, world_size, path, phase):
+    ours = gradsync.ShardedDataParallel(model(seed=rank + 10), **CAPS)
+    opt = gradsync.ShardedOptimizer(ours, torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    data = batches(4 * K, 1, per_rank=GLOBAL)
+    if phase == "load":
+        ckpt = torch.load(path)
+        ours.module.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optim"])
+        assert_state_equal(opt.state_dict(), ckpt["optim"])
+    for w in range(4) if phase == "save" else range(2, 4):
+        if phase == "save" and w == 2:
+            ckpt = {"model": ours.module.state_dict(), "optim": opt.state_dict()}
+            if rank == 0:
+                torch.save(ckpt, path)
+        for m in range(K):
+            x, y = data[w * K + m]
+            micro_step(ours, shard(x, rank, world_size), shard(y, rank, world_size), m == K - 1, "no_sync")
+        opt.step()
+        opt.zero_grad()
+    return params(ours.module)
+
+
+def assert_state_equal(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for j in a["state"]:
+        assert_close_dicts(a["state"][j], b["state"][j], atol=0, rtol=0)
+
+
+def test_checkpoint_moves_between_world_sizes(tmp_path):
+    path = os.fspath(tmp_path / "ckpt.pt")
+    final = run_ranks(checkpoint_run, 2, path, "save")[0]
+    for world_size in (1, 4):
+        for got in run_ranks(checkpoint_run, world_size, path, "load"):
+            assert_close_dicts(got, final, atol=1e-5)
+
+
+def clipping(rank, world_size, how):
+    ours = gradsync.ShardedDataParallel(model(seed=0), **CAPS)
+    theirs = nn.parallel.DistributedDataParallel(model(seed=0))
+    opt_a, opt_b = optimizers("sgd", ours, theirs)
+    trace = ours.enable_comm_trace()
+    data = batches(3 * K, world_size, per_rank=4)
+    norms = []
+    for w, norm_type in enumerate((2.0, float("inf"), 1.0)):
+        for m in range(K):
+            x, y = data[w * K + m]
+            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+            micro_step(ours, xs, ys, m == K - 1, how)
+            micro_step(theirs, xs, ys, m == K - 1, "no_sync")
+        ours.scale_grads_(1.5)  # what the accumulator calls; must reach the shards
+        for p in theirs.parameters():
+            p.grad.mul_(1.5)
+        a = ours.clip_grad_norm_(0.05, norm_type=norm_type)
+        b = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05, norm_type=norm_type)
+        norms.append((a.item(), b.item()))
+        for opt in (opt_a, opt_b):
+            opt.step()
+            opt.zero_grad()
+    synced = 3 * K if how == "sync_each_batch" else 3
+    assert len(trace) == synced and all(b["launch"] <= b["done"] for it in trace for b in it["buckets"])
+    assert sum(b["bytes"] for b in trace[0]["buckets"]) == 4 * sum(b.numel for b in ours.reducer.buckets)
+    return norms, params(ours.module), params(theirs.module)
+
+
+@pytest.mark.parametrize("how", ["sync_each_batch", "no_sync"])
+def test_clip_grad_norm_is_global_across_shards(how):
+    for norms, ours, theirs in run_ranks(clipping, 2, how):
+        for a, b in norms:
+            assert a == pytest.approx(b, rel=1e-5)
+            assert a > 0.05  # the clip was active
+        assert_close_dicts(ours, theirs, atol=1e-5)
+
+
+class Branchy(nn.Module):
+    """``never`` is unused on every rank; ``sometimes`` only on rank 0; ``wide`` is float64."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(8, 17)
+        self.b = nn.Linear(17, 4)
+        self.never = nn.Linear(17, 4)
+        self.sometimes = nn.Linear(17, 4)
+        self.wide = nn.Linear(17, 4).double()
+
+    def forward(self, x, use):
+        h = torch.tanh(self.a(x))
+        out = self.b(h) + self.wide(h.double()).float()
+        return out + self.sometimes(h) if use else out
+
+
+def unused_and_mixed(rank, world_size, how):
+    ours = gradsync.ShardedDataParallel(Branchy(rank), find_unused_parameters=True, **CAPS)
+    theirs = nn.parallel.DistributedDataParallel(Branchy(rank), find_unused_parameters=True)
+    opt_a = gradsync.ShardedOptimizer(ours, torch.optim.AdamW, lr=0.01, weight_decay=0.1)
+    opt_b = torch.optim.AdamW(theirs.parameters(), lr=0.01, weight_decay=0.1)
+    dtypes = {b.flat_param.dtype for b in ours.reducer.buckets}
+    assert dtypes == {torch.float32, torch.float64}, dtypes
+    data = batches(3 * K, world_size, per_rank=4)
+    for w in range(3):
+        for m in range(K):
+            x, y = data[w * K + m]
+            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+            for net, mode in ((ours, how), (theirs, "no_sync")):
+                sync = m == K - 1
+                if sync or mode == "sync_each_batch":
+                    (F.mse_loss(net(xs, rank == 0), ys) / K).backward()
+                else:
+                    with net.no_sync():
+                        (F.mse_loss(net(xs, rank == 0), ys) / K).backward()
+        for opt in (opt_a, opt_b):
+            opt.step()
+            opt.zero_grad()
+    return params(ours.module), params(theirs.module), params(Branchy(0))
+
+
+@pytest.mark.parametrize("world_size,how", [(2, "sync_each_batch"), (4, "no_sync")])
+def test_unused_parameters_and_mixed_dtypes(world_size, how):
+    for ours, theirs, initial in run_ranks(unused_and_mixed, world_size, how):
+        assert_close_dicts(ours, theirs, atol=1e-5)
+        for name in ("never.weight", "never.bias"):  # no gradient anywhere: not stepped, not decayed
+            assert torch.equal(ours[name], initial[name])
+        assert not torch.equal(ours["sometimes.weight"], initial["sometimes.weight"])
+        assert ours["wide.weight"].dtype == torch.float64
+
+
+def misuse(rank, world_size):
+    errors = {}
+
+    def expect(name, exc_type, fn):
+        try:
+            fn()
+        except exc_type as exc:
+            errors[name] = str(exc)
+
+    ours = gradsync.ShardedDataParallel(model(0), **CAPS)
+    opt = gradsync.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
+    expect("hook", NotImplementedError, lambda: ours.register_comm_hook(None, gradsync.allreduce_hook))
+    expect("view", ValueError, lambda: gradsync.ShardedDataParallel(model(1), gradient_as_bucket_view=True))
+    expect("plain", TypeError, lambda: gradsync.ShardedOptimizer(gradsync.DDP(model(2)), torch.optim.SGD, lr=1))
+    expect("group", NotImplementedError, lambda: opt.add_param_group({"params": []}))
+    x = torch.randn(4, 8)
+    with ours.no_sync():
+        ours(x).sum().backward()
+    expect("pending", RuntimeError, opt.step)
+    other = gradsync.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1, param_groups=[
+        {"params": [p for p in ours.module.parameters() if p.dim() > 1]},
+        {"params": [p for p in ours.module.parameters() if p.dim() == 1]}])
+    expect("load", ValueError, lambda: other.load_state_dict(opt.state_dict()))
+    ours.module[0].weight.data = ours.module[0].weight.data.clone()  # detached from the flat buffer
+    opt.zero_grad()
+    expect("moved", RuntimeError, opt.step)
+    return errors
+
+
+def test_misuse_raises_clear_errors():
+    errors = run_ranks(misuse, 2)[0]
+    assert "comm" in errors["hook"] and "DistributedDataParallel" in errors["hook"]
+    assert "gradient_as_bucket_view" in errors["view"]
+    assert "ShardedDataParallel" in errors["plain"]
+    assert "param_groups" in errors["group"]
+    assert "no_sync" in errors["pending"]
+    assert "parameter groups" in errors["load"]
+    assert "flat buffers" in errors["moved"]
+
+
+def diverging(rank, world_size):
+    ours = gradsync.ShardedDataParallel(model(0), timeout=3, **CAPS)
+    opt = gradsync.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
+    ours(torch.randn(4, 8)).sum().backward()
+    before = [p.detach().clone() for p in ours.module.parameters()]
+    ctx = ours.no_sync() if rank == 1 else torch.enable_grad()  # rank 1 skips the sync: diverges
+    try:
+        with ctx:
+            ours(torch.randn(4, 8)).sum().backward()
+    except gradsync.SyncError:
+        pass
+    else:
+        if rank == 0:
+            raise AssertionError("rank 0 did not notice the divergence")
+    try:
+        opt.step()
+    except RuntimeError as exc:
+        stepped = str(exc)
+    else:
+        stepped = None
+    return stepped, all(torch.equal(a, b) for a, b in zip(before, ours.module.parameters()))
+
+
+def test_failed_sync_blocks_the_step():
+    for stepped, unchanged in run_ranks(diverging, 2, timeout=30, pg_timeout=5):
+        assert stepped is not None and ("incomplete" in stepped or "no_sync" in stepped), stepped
+        assert unchanged
