@@ -2,9 +2,12 @@
 from .comm import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
 from .ddp import DDP, DistributedDataParallel
 from .reducer import SyncError
+from .accumulate import GradientAccumulator
+from .chunked import Chunked
 
 __version__ = "0.1.0"
 __all__ = [
+    "Chunked", "GradientAccumulator",
     "DDP", "DistributedDataParallel", "GradBucket", "SyncError",
     "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "noop_hook",
 ]
