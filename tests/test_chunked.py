@@ -1,4 +1,7 @@
 """Chunked: outputs and gradients equal the unchunked module's, alone and inside gradsync DDP."""
+import gc
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -98,6 +101,20 @@ def test_each_parameter_is_accumulated_once_per_backward():
         p.register_post_accumulate_grad_hook(lambda _p, n=n: fired.__setitem__(n, fired[n] + 1))
     gradsync.Chunked(module, 4)(torch.randn(8, 8)).sum().backward()
     assert set(fired.values()) == {1}
+
+
+def test_no_activation_outlives_its_chunk_without_the_garbage_collector():
+    module = block()
+    alive = []
+    module[1].register_forward_hook(lambda m, i, out: alive.append(weakref.ref(out)))
+    gc.disable()
+    try:
+        out = gradsync.Chunked(module, 4)(torch.randn(8, 8, requires_grad=True))
+        assert len(alive) == 4 and all(r() is None for r in alive)  # forward keeps no activations
+        out.sum().backward()
+        assert len(alive) == 8 and all(r() is None for r in alive)  # nor does the recomputation
+    finally:
+        gc.enable()
 
 
 def test_no_grad_and_frozen_runs_are_plain_calls_and_batch_norm_is_refused():

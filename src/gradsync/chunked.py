@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -140,8 +141,9 @@ class _ChunkedFunction(torch.autograd.Function):
         need_in = ctx.needs_input_grad[1:1 + n_in]
         need_params = ctx.needs_input_grad[1 + n_in:]
         wanted_params = [p for p, need in zip(plan.params, need_params) if need]
-        split_grads: list[list[torch.Tensor]] = [[] for _ in plan.split]  # per chunk, cat at the end
-        whole_grads: list[torch.Tensor | None] = [None] * n_in  # summed over chunks
+        # split inputs: filled chunk by chunk (no list of pieces to cat); whole inputs: summed
+        in_grads: list[torch.Tensor | None] = [torch.empty_like(x) if need and s else None
+                                               for x, need, s in zip(inputs, need_in, plan.split)]
         param_grads: list[torch.Tensor | None] = [None] * len(wanted_params)
         owned = [False] * len(wanted_params)  # grad() may hand back a view of grad_outputs
         for k, (start, length) in enumerate(plan.bounds):
@@ -163,9 +165,10 @@ class _ChunkedFunction(torch.autograd.Function):
                     continue
                 g = next(got_it)
                 if plan.split[j]:
-                    split_grads[j].append(torch.zeros_like(x) if g is None else g)
+                    part = in_grads[j].narrow(0, start, length)
+                    part.zero_() if g is None else part.copy_(g)
                 elif g is not None:
-                    whole_grads[j] = g if whole_grads[j] is None else whole_grads[j] + g
+                    in_grads[j] = g if in_grads[j] is None else in_grads[j] + g
             for j, g in enumerate(got_it):
                 if g is None:
                     continue
@@ -175,14 +178,7 @@ class _ChunkedFunction(torch.autograd.Function):
                     param_grads[j].add_(g)
                 else:
                     param_grads[j], owned[j] = param_grads[j] + g, True
-        result: list[torch.Tensor | None] = [None]  # for the plan
-        for j, need in enumerate(need_in):
-            if not need:
-                result.append(None)
-            elif plan.split[j]:
-                result.append(torch.cat(split_grads[j]))
-            else:
-                result.append(whole_grads[j])
+        result: list[torch.Tensor | None] = [None, *in_grads]  # None: the plan
         grads_it = iter(param_grads)
         result += [next(grads_it) if need else None for need in need_params]
         return tuple(result)
@@ -212,26 +208,27 @@ def _replay(plan: _Plan, k: int, devices: list[int]):
 def _flatten(obj: Any) -> tuple[list[Any], Any]:
     """Return the leaves of nested tuples, lists and dicts, and a spec to rebuild the structure."""
     leaves: list[Any] = []
+    return leaves, _walk(obj, leaves)
 
-    def walk(o: Any) -> Any:
-        if isinstance(o, (tuple, list)) and not hasattr(o, "_fields"):
-            return (type(o), [walk(v) for v in o])
-        if isinstance(o, dict):
-            return (type(o), list(o.keys()), [walk(v) for v in o.values()])
-        leaves.append(o)
-        return None
 
-    return leaves, walk(obj)
+# Module-level recursion on purpose: a recursive closure is a reference cycle that would keep
+# the leaves (chunk outputs and their autograd graphs) alive until the garbage collector runs.
+def _walk(obj: Any, leaves: list[Any]) -> Any:
+    if isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields"):
+        return (type(obj), [_walk(v, leaves) for v in obj])
+    if isinstance(obj, dict):
+        return (type(obj), list(obj.keys()), [_walk(v, leaves) for v in obj.values()])
+    leaves.append(obj)
+    return None
 
 
 def _unflatten(leaves: list[Any], spec: Any) -> Any:
-    it = iter(leaves)
+    return _build(spec, iter(leaves))
 
-    def build(s: Any) -> Any:
-        if s is None:
-            return next(it)
-        if len(s) == 2:
-            return s[0](build(c) for c in s[1])
-        return s[0](zip(s[1], (build(c) for c in s[2])))
 
-    return build(spec)
+def _build(spec: Any, it: Iterator[Any]) -> Any:
+    if spec is None:
+        return next(it)
+    if len(spec) == 2:
+        return spec[0](_build(c, it) for c in spec[1])
+    return spec[0](zip(spec[1], (_build(c, it) for c in spec[2])))
