@@ -76,6 +76,29 @@ def test_structured_outputs_kwargs_and_unsplit_arguments():
     assert_close_dicts(got[1], got[0])
 
 
+class Aliasing(nn.Module):
+    """Gradients autograd hands out twice: one tensor for p1 and p2, the incoming one for q."""
+
+    def __init__(self):
+        super().__init__()
+        self.p1, self.p2 = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+        self.q = nn.Parameter(torch.randn(2, 8))  # the size of one chunk: passed straight through
+
+    def forward(self, x):
+        return x @ (self.p1 + self.p2) + self.q
+
+
+def test_parameter_gradients_that_alias_are_not_summed_in_place():
+    torch.manual_seed(0)
+    module, x = Aliasing(), torch.randn(8, 8)
+    weight = torch.randn(8, 8)
+    (torch.cat([module(part) for part in x.split(2)]) * weight).sum().backward()
+    want = grads(module)
+    module.zero_grad()
+    run(gradsync.Chunked(module, 4), x, weight)
+    assert_close_dicts(grads(module), want)
+
+
 def test_dropout_replays_each_chunks_random_numbers():
     x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1))
     module = block(dropout=0.5)

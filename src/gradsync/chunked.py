@@ -145,7 +145,8 @@ class _ChunkedFunction(torch.autograd.Function):
         in_grads: list[torch.Tensor | None] = [torch.empty_like(x) if need and s else None
                                                for x, need, s in zip(inputs, need_in, plan.split)]
         param_grads: list[torch.Tensor | None] = [None] * len(wanted_params)
-        owned = [False] * len(wanted_params)  # grad() may hand back a view of grad_outputs
+        owned = [False] * len(wanted_params)  # safe to add the next chunks into in place
+        incoming = {_storage(g) for g in grad_outputs if g is not None}
         for k, (start, length) in enumerate(plan.bounds):
             chunk = [x.detach().requires_grad_(need)
                      for x, need in zip(plan.chunk_inputs(inputs, k), need_in)]
@@ -159,6 +160,9 @@ class _ChunkedFunction(torch.autograd.Function):
             if pairs and wrt:
                 got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
                                           allow_unused=True)
+            seen = [_storage(g) for g in got if g is not None]
+            # grad() may pass an incoming gradient through, or hand one tensor to several inputs
+            shared = incoming | {ptr for ptr in seen if seen.count(ptr) > 1}
             got_it = iter(got)
             for j, (x, need) in enumerate(zip(chunk, need_in)):
                 if not need:
@@ -173,7 +177,7 @@ class _ChunkedFunction(torch.autograd.Function):
                 if g is None:
                     continue
                 if param_grads[j] is None:
-                    param_grads[j] = g
+                    param_grads[j], owned[j] = g, _storage(g) not in shared
                 elif owned[j]:
                     param_grads[j].add_(g)
                 else:
@@ -182,6 +186,10 @@ class _ChunkedFunction(torch.autograd.Function):
         grads_it = iter(param_grads)
         result += [next(grads_it) if need else None for need in need_params]
         return tuple(result)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 def _cuda_devices(tensors: tuple[torch.Tensor, ...]) -> list[int]:
