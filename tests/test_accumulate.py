@@ -180,6 +180,20 @@ def test_same_result_on_torch_ddp_in_the_same_process_group():
         assert_close_dicts(ours, theirs, atol=1e-6)
 
 
+def uneven_data(rank, world_size):
+    model = gradsync.DDP(mlp(seed=0), timeout=5)
+    acc = gradsync.GradientAccumulator(model, steps=2)
+    for x, y in acc.iterate(batches(4 - rank, world_size)):  # rank 1 runs out of data early
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+
+
+def test_ranks_with_different_amounts_of_data_fail_instead_of_stepping_apart():
+    errors = run_ranks(uneven_data, 2, timeout=30, return_errors=True)
+    for e in errors:
+        assert isinstance(e, Exception) and "ranks disagree about which backward" in str(e)
+
+
 def train_split(rank, world_size, rows, n, windows):
     model = gradsync.DDP(mlp(seed=rank), **CAPS)
     calls = counting(model)

@@ -117,6 +117,16 @@ def test_dropout_replays_each_chunks_random_numbers():
     assert torch.equal(torch.get_rng_state(), after_ref)  # and the recomputation gave it back
 
 
+def test_recomputation_runs_under_the_forwards_autocast():
+    module = block()
+    dtypes = []
+    module[0].register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gradsync.Chunked(module, 4)(torch.randn(8, 8))
+    out.float().sum().backward()  # outside the autocast region, as training loops do
+    assert dtypes == [torch.bfloat16] * 8 and out.dtype == torch.bfloat16
+
+
 def test_each_parameter_is_accumulated_once_per_backward():
     module = block()
     fired = {n: 0 for n, _ in module.named_parameters()}
