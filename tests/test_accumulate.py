@@ -41,6 +41,8 @@ def train_windows(rank, world_size, sync_each_batch, form, micro, steps):
         if form == "zero_first":
             opt.zero_grad()
         with acc.accumulate():
+            if form == "zero_inside":  # acts on a window's first micro-step, before its backward
+                opt.zero_grad()
             acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
             if form == "manual":
                 if acc.is_boundary:
@@ -48,8 +50,9 @@ def train_windows(rank, world_size, sync_each_batch, form, micro, steps):
             else:
                 opt.step()
                 sched.step()
-                if form != "zero_first":
+                if form not in ("zero_first", "zero_inside"):
                     opt.zero_grad()
+        assert model.require_backward_grad_sync  # restored after each micro-step
         changed = any(not torch.equal(before[n], p) for n, p in params(model.module).items())
         log.append((changed, len(calls) - n_calls, acc.is_boundary, acc.sync_gradients,
                     raw.param_groups[0]["lr"]))
@@ -70,7 +73,8 @@ def reference_windows(world_size, micro, steps):
 
 
 @pytest.mark.parametrize("sync_each_batch,form", [(False, "wrapped"), (True, "wrapped"),
-                                                  (False, "zero_first"), (True, "manual")])
+                                                  (False, "zero_first"), (True, "zero_inside"), (False, "zero_inside"),
+                                                  (True, "manual")])
 def test_windows_step_once_communicate_as_configured_and_close_at_end_of_data(sync_each_batch, form):
     world_size, micro, steps = 2, 10, 4  # windows of 4, 4 and a short last one of 2
     results = run_ranks(train_windows, world_size, sync_each_batch, form, micro, steps)

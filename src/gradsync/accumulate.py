@@ -212,7 +212,10 @@ class GradientAccumulator:
 
     # ---------------------------------------------------------------- wrappers
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-        """Return ``optimizer`` whose ``step()``/``zero_grad()`` act only where a window ends."""
+        """Return ``optimizer`` whose ``step()``/``zero_grad()`` act only where a window ends.
+
+        ``zero_grad()`` never clears the window in progress, so it may also sit at the top of the loop.
+        """
         return _WindowOptimizer(optimizer, self)
 
     def wrap_scheduler(self, scheduler: Any) -> Any:
@@ -220,9 +223,12 @@ class GradientAccumulator:
         return _WindowScheduler(scheduler, self)
 
     def _may_zero(self) -> bool:
-        # Also at a window's first micro-step before its backward: the gradients there belong to
-        # the window that already stepped, so a zero_grad() at the top of the loop stays correct.
-        return self._boundary or (self._active and self._position == 1 and not self._backward_done)
+        # Inside a micro-step, before its backward, the gradients belong to this window unless it
+        # is the window's first micro-step, even on the boundary micro-step: zeroing there would
+        # drop the window. After the backward (or between micro-steps) only a closed window zeroes.
+        if self._active and not self._backward_done:
+            return self._position == 1
+        return self._boundary
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
