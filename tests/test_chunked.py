@@ -161,6 +161,10 @@ def test_no_grad_and_frozen_runs_are_plain_calls_and_batch_norm_is_refused():
         norm(x)
     norm.eval()
     norm(x).sum().backward()
+    x.requires_grad_()
+    (g,) = torch.autograd.grad(gradsync.Chunked(module, 3)(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()  # no silent wrong second derivative
     with pytest.raises(ValueError, match="chunks must be an integer >= 1"):
         gradsync.Chunked(module, 0)
     with pytest.raises(ValueError, match="0-dim tensor"):

@@ -134,6 +134,7 @@ class _ChunkedFunction(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the recomputation does not build a graph
     def backward(ctx, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         plan: _Plan = ctx.plan
         n_in = len(plan.tensor_at)
