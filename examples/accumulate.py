@@ -36,7 +36,7 @@ def micro_batches(args) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 def build_model(args) -> torch.nn.Module:
     model = make_model(seed=0)
-    if args.chunks > 1:  # run the widest layer chunk by chunk: its activations shrink, gradients do not change
+    if args.chunks > 1:  # the widest layer, chunk by chunk: fewer activations, the same gradients
         model[2] = gradsync.Chunked(model[2], args.chunks)
     return model
 
@@ -51,7 +51,8 @@ def train(rank: int, world_size: int, args) -> dict:
     acc = gradsync.GradientAccumulator(model, steps=args.accum, sync_each_batch=args.sync_each_batch)
     optimizer = acc.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=args.lr))
     scheduler = acc.wrap_scheduler(schedule(optimizer))
-    mine = [(x[rank::world_size], y[rank::world_size], m[rank::world_size]) for x, y, m in micro_batches(args)]
+    mine = [(x[rank::world_size], y[rank::world_size], m[rank::world_size])
+            for x, y, m in micro_batches(args)]
     windows, window_loss = 0, 0.0
     for x, y, mask in acc.iterate(mine):
         x, y, mask = x.to(device), y.to(device), mask.to(device)
@@ -69,8 +70,8 @@ def train(rank: int, world_size: int, args) -> dict:
         if acc.is_boundary:
             windows += 1
             if rank == 0 and (windows % args.log_every == 0 or windows == 1):
-                print(f"window {windows:3d}  loss {window_loss:9.4f}  lr {optimizer.param_groups[0]['lr']:.2e}",
-                      flush=True)
+                lr = optimizer.param_groups[0]["lr"]
+                print(f"window {windows:3d}  loss {window_loss:9.4f}  lr {lr:.2e}", flush=True)
             window_loss = 0.0
     return {"params": {n: p.detach().cpu() for n, p in model.module.named_parameters()}, "windows": windows}
 
