@@ -1,4 +1,6 @@
 """gradsync: data-parallel gradient synchronization for PyTorch, in pure Python."""
+from .accumulate import GradientAccumulator
+from .chunked import Chunked
 from .comm import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
 from .ddp import DDP, DistributedDataParallel
 from .reducer import SyncError
@@ -7,7 +9,7 @@ from .sharded_optim import ShardedOptimizer
 
 __version__ = "0.1.0"
 __all__ = [
-    "DDP", "DistributedDataParallel", "GradBucket", "SyncError",
-    "ShardedDataParallel", "ShardedOptimizer",
+    "Chunked", "DDP", "DistributedDataParallel", "GradBucket", "GradientAccumulator",
+    "ShardedDataParallel", "ShardedOptimizer", "SyncError",
     "allreduce_hook", "bf16_compress_hook", "fp16_compress_hook", "noop_hook",
 ]

@@ -1,0 +1,373 @@
+"""Gradient accumulation in windows of micro-steps: when to communicate, when to step, how to scale.
+
+Two facts are kept apart on purpose: whether a micro-step *communicates* (``sync_gradients``) and
+whether it *closes a window* so the optimizer and scheduler step (``is_boundary``). The model's
+sync switch (``require_backward_grad_sync``) is read when backward runs, so ``accumulate()`` sets
+it for the whole micro-step. The accumulator only needs that switch, ``scale_grads_(factor)``,
+``process_group``, ``world_size`` and ``reducer._wait`` from a model, so any gradsync wrapper (and
+torch's own DistributedDataParallel, or a plain module on one process) works.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+_MEAN, _ITEMS = "mean loss", "num_items"
+
+
+class GradientAccumulator:
+    """Accumulate gradients over windows of ``steps`` micro-steps, communicating once per window.
+
+    Inside a window the model runs without communication; the micro-step that closes it syncs
+    (every micro-step syncs with ``sync_each_batch=True``, which trades communication for not
+    holding unreduced gradients, but the optimizer still steps only at window ends).
+    """
+
+    def __init__(self, model: nn.Module, steps: int, sync_each_batch: bool = False):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"gradsync: GradientAccumulator needs an nn.Module, got {type(model).__name__}")
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"gradsync: steps must be an integer >= 1 (micro-steps per optimizer step), "
+                             f"got {steps!r}")
+        self.model = model
+        self.steps = steps
+        self.sync_each_batch = bool(sync_each_batch)
+        self._switchable = hasattr(model, "require_backward_grad_sync")
+        if self._switchable:
+            self._group = getattr(model, "process_group", None) or dist.group.WORLD
+            self._world_size = getattr(model, "world_size", None) or dist.get_world_size(self._group)
+        else:
+            self._group, self._world_size = None, 1
+        self._active = False
+        self._backward_done = False
+        self._position = 0  # micro-steps taken in the current window, the current one included
+        self._window_len = steps  # planned length: loss scale 1/len, a shorter close is corrected
+        self._boundary = True  # before the first micro-step: "between windows"
+        self._end_of_data = False  # iterate() is yielding the data's last item
+        self._kind: str | None = None  # _MEAN or _ITEMS: what the current window's backwards took
+        self._items: torch.Tensor | None = None  # this rank's item count in the current window
+        self._weights: list[float] | None = None  # per-micro-step loss weights of a split() window
+        self._next_weights: list[float] | None = None
+        self.windows = 0  # windows started so far
+
+    # ---------------------------------------------------------------- state
+    @property
+    def is_boundary(self) -> bool:
+        """True when this micro-step closes a window: the optimizer and scheduler step."""
+        return self._boundary
+
+    @property
+    def sync_gradients(self) -> bool:
+        """True when this micro-step communicates gradients."""
+        return self._boundary or self.sync_each_batch
+
+    def _start_window(self) -> None:
+        self.windows += 1
+        self._position = 0
+        self._kind, self._items = None, None
+        self._weights, self._next_weights = self._next_weights, None
+        self._window_len = len(self._weights) if self._weights is not None else self.steps
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Run one micro-step: no communication inside a window unless ``sync_each_batch``."""
+        if self._active:
+            raise RuntimeError("gradsync: accumulate() is already active; each micro-step enters it once "
+                               "(do not nest accumulate() blocks)")
+        if self._boundary:
+            self._start_window()
+        self._position += 1
+        self._boundary = self._position >= self._window_len or self._end_of_data
+        self._end_of_data = False
+        self._active, self._backward_done = True, False
+        previous = self.model.require_backward_grad_sync if self._switchable else None
+        if self._switchable:
+            self.model.require_backward_grad_sync = self.sync_gradients
+        try:
+            yield
+        finally:
+            self._active = False
+            if self._switchable:
+                self.model.require_backward_grad_sync = previous
+
+    def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None) -> None:
+        """Back-propagate ``loss`` scaled so that a window's gradient equals one big batch's.
+
+        With ``num_items=None`` the loss is a mean over this micro-batch. With ``num_items=n`` it is
+        a sum over ``n`` items, and the window's gradient becomes the mean over every item of every
+        micro-step on every rank.
+        """
+        if not self._active:
+            raise RuntimeError("gradsync: acc.backward() must run inside `with acc.accumulate():` (the "
+                               "accumulator needs to know which micro-step of the window this is)")
+        if self._backward_done:
+            raise RuntimeError("gradsync: acc.backward() was already called in this micro-step; add the "
+                               "losses and call backward once per accumulate() block")
+        kind = _MEAN if num_items is None else _ITEMS
+        count = None if num_items is None else _as_count(num_items, self._count_device())
+        if self._kind is None:
+            self._kind = kind
+        elif kind != self._kind:
+            raise RuntimeError(f"gradsync: this window mixes backward with {self._kind} and with "
+                               f"{kind}; use one kind for every micro-step of a window (pass num_items "
+                               "on every call, or on none)")
+        self._backward_done = True
+        if kind == _ITEMS:
+            self._backward_items(loss, count)
+            return
+        if self._weights is not None:
+            (loss * self._weights[self._position - 1]).backward()
+            return
+        (loss / self._window_len).backward()
+        if self._boundary and self._position != self._window_len:  # the data ended early
+            self._scale(self._window_len / self._position)
+
+    def _backward_items(self, loss: torch.Tensor, count: torch.Tensor) -> None:
+        self._items = count if self._items is None else self._items + count
+        work = None
+        if self._boundary and self._world_size > 1:
+            # Launched before backward on every rank, so it overlaps the backward and pairs up
+            # with the same collective on the other ranks ahead of the gradient buckets.
+            work = dist.all_reduce(self._items, group=self._group, async_op=True)
+        loss.backward()
+        if not self._boundary:
+            return
+        if work is not None:
+            self._wait(work)
+        total = float(self._items)
+        if not total > 0:
+            raise ValueError(f"gradsync: num_items summed to {total:g} over the window and all ranks; "
+                             "there is nothing to average over (pass the number of items each loss sums)")
+        # the reduction already averaged over ranks: undo that, then divide by the global count
+        self._scale(self._world_size / total)
+
+    def _count_device(self) -> torch.device:
+        for p in self.model.parameters():
+            return p.device
+        return torch.device("cpu")
+
+    def _scale(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        if hasattr(self.model, "scale_grads_"):
+            self.model.scale_grads_(factor)
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            torch._foreach_mul_(grads, factor)
+
+    def _wait(self, work: Any) -> None:
+        wait = getattr(getattr(self.model, "reducer", None), "_wait", None)
+        if callable(wait):
+            wait(work, "the all-reduce of the window's item count")
+        else:
+            work.wait()
+
+    # ---------------------------------------------------------------- data
+    def iterate(self, iterable: Iterable, micro_batches: int | None = None) -> Iterator[Any]:
+        """Yield micro-batches, closing a short last window where the data ends.
+
+        With ``micro_batches=n`` each item is a large batch that runs as one window of ``n``
+        micro-batches (see ``split``).
+        """
+        if micro_batches is not None:
+            for batch in iterable:
+                yield from self.split(batch, micro_batches)
+            return
+        it = iter(iterable)
+        try:
+            current = next(it)
+        except StopIteration:
+            return
+        for following in it:  # look one ahead: only then is the last item known
+            yield current
+            current = following
+        self._end_of_data = True
+        yield current
+
+    def split(self, batch: Any, n: int | None = None) -> list[Any]:
+        """Split ``batch`` along dim 0 into ``n`` (default ``steps``) micro-batches forming one window.
+
+        Mean losses are weighted by each micro-batch's share of the rows, so the window's gradient
+        equals the whole batch's even when ``n`` does not divide it.
+        """
+        n = self.steps if n is None else n
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"gradsync: split() needs a number of micro-batches >= 1, got {n!r}")
+        if not self._boundary or self._active:
+            raise RuntimeError(f"gradsync: split() starts a window, but the current window has run "
+                               f"{self._position} of {self._window_len} micro-steps; call it between windows")
+        rows = _rows(batch)
+        if rows < n:
+            raise ValueError(f"gradsync: cannot split a batch of {rows} rows into {n} micro-batches")
+        sizes = [len(r) for r in torch.arange(rows).tensor_split(n)]
+        self._next_weights = [s / rows for s in sizes]
+        return [_take(batch, sum(sizes[:k]), sizes[k]) for k in range(n)]
+
+    # ---------------------------------------------------------------- wrappers
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Return ``optimizer`` whose ``step()``/``zero_grad()`` act only where a window ends.
+
+        ``zero_grad()`` never clears the window in progress, so it may also sit at the top of the loop.
+        """
+        return _WindowOptimizer(optimizer, self)
+
+    def wrap_scheduler(self, scheduler: Any) -> Any:
+        """Return ``scheduler`` whose ``step()`` acts once per window, at its end."""
+        return _WindowScheduler(scheduler, self)
+
+    def _may_zero(self) -> bool:
+        # Inside a micro-step, before its backward, the gradients belong to this window unless it
+        # is the window's first micro-step, even on the boundary micro-step: zeroing there would
+        # drop the window. After the backward (or between micro-steps) only a closed window zeroes.
+        if self._active and not self._backward_done:
+            return self._position == 1
+        return self._boundary
+
+    # ---------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Return the position in the window and the pending normalization state."""
+        return {"steps": self.steps, "sync_each_batch": self.sync_each_batch, "position": self._position,
+                "window_len": self._window_len, "boundary": self._boundary, "kind": self._kind,
+                "items": None if self._items is None else float(self._items),
+                "weights": self._weights, "next_weights": self._next_weights, "windows": self.windows}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume a window where ``state_dict()`` left it (gradients are the caller's to restore)."""
+        if self._active:
+            raise RuntimeError("gradsync: load_state_dict() inside accumulate(); load between micro-steps")
+        for key in ("steps", "sync_each_batch"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"gradsync: the checkpoint has {key}={state[key]!r} but this accumulator "
+                                 f"has {getattr(self, key)!r}; construct it with the same settings")
+        self._position, self._window_len = state["position"], state["window_len"]
+        self._boundary, self._kind = state["boundary"], state["kind"]
+        self._weights, self._next_weights = state["weights"], state["next_weights"]
+        self.windows = state["windows"]
+        items = state["items"]
+        self._items = None if items is None else torch.tensor(items, dtype=torch.float64,
+                                                              device=self._count_device())
+        self._end_of_data = False
+
+
+class _WindowOptimizer(torch.optim.Optimizer):
+    """An optimizer whose step and zero_grad act only where the accumulator's window ends."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, acc: GradientAccumulator):
+        # No Optimizer.__init__: every state lives in the wrapped optimizer. Subclassing keeps
+        # isinstance checks (LR schedulers, GradScaler) working.
+        self.optimizer = optimizer
+        self._acc = acc
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("optimizer", "_acc"):
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    param_groups = property(lambda self: self.optimizer.param_groups,
+                            lambda self, v: setattr(self.optimizer, "param_groups", v))
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def step(self, closure: Any = None) -> Any:
+        if self._acc.is_boundary:
+            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._acc._may_zero():
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self.__dict__
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+
+    def __repr__(self) -> str:
+        return f"WindowOptimizer(steps={self._acc.steps}, {self.optimizer!r})"
+
+
+class _WindowScheduler:
+    """A scheduler whose step acts once per window, at the window's end."""
+
+    def __init__(self, scheduler: Any, acc: GradientAccumulator):
+        self.scheduler = scheduler
+        self._acc = acc
+        self._stepped_window = -1
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("scheduler", "_acc", "_stepped_window"):
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        acc = self._acc
+        if acc.is_boundary and acc.windows > 0 and self._stepped_window != acc.windows:
+            self._stepped_window = acc.windows
+            self.scheduler.step(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+
+def _as_count(num_items: Any, device: torch.device) -> torch.Tensor:
+    if isinstance(num_items, torch.Tensor):
+        if num_items.numel() != 1:
+            raise ValueError(f"gradsync: num_items must be a single number, got a tensor of shape "
+                             f"{tuple(num_items.shape)}")
+        return num_items.detach().reshape(()).to(device=device, dtype=torch.float64, copy=True)
+    if isinstance(num_items, bool) or not isinstance(num_items, (int, float)) \
+            or not math.isfinite(num_items) or num_items < 0:
+        raise ValueError(f"gradsync: num_items must be a finite number >= 0 (the items the loss sums "
+                         f"over), got {num_items!r}")
+    return torch.tensor(float(num_items), dtype=torch.float64, device=device)
+
+
+def _rows(batch: Any) -> int:
+    sizes = {t.shape[0] for t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0}
+    if len(sizes) != 1:
+        raise ValueError("gradsync: split() needs a batch whose tensors share one size along dim 0, got "
+                         + (f"sizes {sorted(sizes)}" if sizes else "no tensor with a dim 0"))
+    return sizes.pop()
+
+
+def _leaves(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, dict):
+        for v in obj.values():
+            yield from _leaves(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _leaves(v)
+    else:
+        yield obj
+
+
+def _take(obj: Any, start: int, length: int) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.narrow(0, start, length) if obj.dim() > 0 else obj
+    if isinstance(obj, dict):
+        return type(obj)((k, _take(v, start, length)) for k, v in obj.items())
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_take(v, start, length) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_take(v, start, length) for v in obj)
+    return obj

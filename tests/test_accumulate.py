@@ -1,0 +1,350 @@
+"""GradientAccumulator: windows, communication counts, schedules, end of data, exact normalization."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync.launch import run_ranks
+from helpers import assert_close_dicts, batches, grads, mlp, params, shard
+
+CAPS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)  # several buckets on the small MLP
+
+
+def counting(model):
+    """Count bucket collectives per micro-step with a hook that calls the default all-reduce."""
+    calls = []
+
+    def hook(state, bucket):
+        calls.append(bucket.index())
+        return gradsync.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, hook)
+    return calls
+
+
+def lr_lambda(window):
+    return 1.0 / (1 + window)
+
+
+def train_windows(rank, world_size, sync_each_batch, form, micro, steps):
+    model = gradsync.DDP(mlp(seed=rank), **CAPS)
+    calls = counting(model)
+    acc = gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=sync_each_batch)
+    raw = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    raw_sched = torch.optim.lr_scheduler.LambdaLR(raw, lr_lambda)
+    opt, sched = (raw, raw_sched) if form == "manual" else (acc.wrap_optimizer(raw),
+                                                            acc.wrap_scheduler(raw_sched))
+    log = []
+    for x, y in acc.iterate(batches(micro, world_size)):
+        before, n_calls = params(model.module), len(calls)
+        if form == "zero_first":
+            opt.zero_grad()
+        with acc.accumulate():
+            if form == "zero_inside":  # acts on a window's first micro-step, before its backward
+                opt.zero_grad()
+            acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+            if form == "manual":
+                if acc.is_boundary:
+                    opt.step(); sched.step(); opt.zero_grad()  # noqa: E702
+            else:
+                opt.step()
+                sched.step()
+                if form not in ("zero_first", "zero_inside"):
+                    opt.zero_grad()
+        assert model.require_backward_grad_sync  # restored after each micro-step
+        changed = any(not torch.equal(before[n], p) for n, p in params(model.module).items())
+        log.append((changed, len(calls) - n_calls, acc.is_boundary, acc.sync_gradients,
+                    raw.param_groups[0]["lr"]))
+    return log, len(model.reducer.buckets), params(model.module)
+
+
+def reference_windows(world_size, micro, steps):
+    model = mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    data = batches(micro, world_size)
+    for start in range(0, micro, steps):
+        window = data[start:start + steps]
+        for x, y in window:
+            (F.mse_loss(model(x), y) / len(window)).backward()
+        opt.step(); sched.step(); opt.zero_grad()  # noqa: E702
+    return params(model)
+
+
+@pytest.mark.parametrize("sync_each_batch,form", [(False, "wrapped"), (True, "wrapped"),
+                                                  (False, "zero_first"), (True, "zero_inside"),
+                                                  (False, "zero_inside"),
+                                                  (True, "manual")])
+def test_windows_step_once_communicate_as_configured_and_close_at_end_of_data(sync_each_batch, form):
+    world_size, micro, steps = 2, 10, 4  # windows of 4, 4 and a short last one of 2
+    results = run_ranks(train_windows, world_size, sync_each_batch, form, micro, steps)
+    boundaries = [3, 7, 9]
+    for log, n_buckets, final in results:
+        changed, comm, is_boundary, syncs, lrs = zip(*log)
+        assert [k for k, c in enumerate(changed) if c] == boundaries
+        assert [k for k, b in enumerate(is_boundary) if b] == boundaries
+        if sync_each_batch:
+            assert comm == (n_buckets,) * micro and all(syncs)
+        else:
+            assert [k for k, c in enumerate(comm) if c] == boundaries
+            assert all(comm[k] == n_buckets for k in boundaries) and syncs == is_boundary
+        # the schedule advances once per window, at the window's end
+        assert lrs == tuple(0.1 * lr_lambda(sum(k >= b for b in boundaries)) for k in range(micro))
+        assert_close_dicts(final, reference_windows(world_size, micro, steps))
+    for name, p in results[0][2].items():
+        assert torch.equal(p, results[1][2][name]), name
+
+
+def item_losses(model, x, y, n):
+    """A summed loss over the first ``n`` rows (like tokens that are not padding) and its count."""
+    return F.mse_loss(model(x[:n]), y[:n], reduction="sum"), n
+
+
+def item_counts(micro, world_size, rows, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, rows + 1, (micro, world_size), generator=g)
+    counts[:, 0].clamp_(min=1)  # rank 0 has an item in every micro-step: no window sums to zero
+    return counts.tolist()
+
+
+def train_items(rank, world_size, sync_each_batch, micro, steps, rows):
+    model = gradsync.DDP(mlp(seed=rank), **CAPS)
+    calls = counting(model)
+    acc = gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=sync_each_batch)
+    opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    counts = item_counts(micro, world_size, rows)
+    window_grads, comm = [], []
+    for k, (x, y) in enumerate(acc.iterate(batches(micro, world_size, per_rank=rows))):
+        n_calls = len(calls)
+        with acc.accumulate():
+            n = counts[k][rank]
+            loss, n = item_losses(model, shard(x, rank, world_size), shard(y, rank, world_size), n)
+            acc.backward(loss, num_items=torch.tensor(n) if k % 2 else n)  # ints and tensors
+            if acc.is_boundary:
+                window_grads.append(grads(model.module))
+            opt.step()
+            opt.zero_grad()
+        comm.append(len(calls) - n_calls)
+    return window_grads, comm, len(model.reducer.buckets), params(model.module)
+
+
+def reference_items(world_size, micro, steps, rows):
+    model = mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = item_counts(micro, world_size, rows)
+    data = batches(micro, world_size, per_rank=rows)
+    window_grads = []
+    for start in range(0, micro, steps):
+        total = sum(sum(counts[k]) for k in range(start, min(start + steps, micro)))
+        for k in range(start, min(start + steps, micro)):
+            x, y = data[k]
+            for r in range(world_size):
+                loss, _ = item_losses(model, shard(x, r, world_size), shard(y, r, world_size), counts[k][r])
+                (loss / total).backward()
+        window_grads.append(grads(model))
+        opt.step()
+        opt.zero_grad()
+    return window_grads, params(model)
+
+
+@pytest.mark.parametrize("sync_each_batch", [False, True])
+def test_num_items_gives_the_mean_over_all_items_of_all_micro_steps_and_ranks(sync_each_batch):
+    world_size, micro, steps, rows = 3, 7, 3, 5  # windows of 3, 3, 1; random counts, zeros included
+    results = run_ranks(train_items, world_size, sync_each_batch, micro, steps, rows)
+    ref_grads, ref_final = reference_items(world_size, micro, steps, rows)
+    for window_grads, comm, n_buckets, final in results:
+        assert len(window_grads) == len(ref_grads) == 3
+        for got, want in zip(window_grads, ref_grads):
+            assert_close_dicts(got, want)
+        assert_close_dicts(final, ref_final)
+        want_comm = [n_buckets] * micro if sync_each_batch else [0, 0, n_buckets, 0, 0, n_buckets, n_buckets]
+        assert comm == want_comm
+
+
+def train_torch_ddp(rank, world_size, micro, steps, rows):
+    """The same accumulation loop on gradsync's DDP and on torch's, in one process group."""
+    out = []
+    for model in (gradsync.DDP(mlp(seed=rank)), nn.parallel.DistributedDataParallel(mlp(seed=rank))):
+        acc = gradsync.GradientAccumulator(model, steps=steps)
+        opt = acc.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+        counts = item_counts(micro, world_size, rows)
+        for k, (x, y) in enumerate(acc.iterate(batches(micro, world_size, per_rank=rows))):
+            with acc.accumulate():
+                loss, n = item_losses(model, shard(x, rank, world_size), shard(y, rank, world_size),
+                                      counts[k][rank])
+                acc.backward(loss, num_items=n)
+                opt.step()
+                opt.zero_grad()
+        out.append(params(model.module))
+    return out
+
+
+def test_same_result_on_torch_ddp_in_the_same_process_group():
+    for ours, theirs in run_ranks(train_torch_ddp, 2, 5, 2, 4):
+        assert_close_dicts(ours, theirs, atol=1e-6)
+
+
+def uneven_data(rank, world_size):
+    model = gradsync.DDP(mlp(seed=0), timeout=5)
+    acc = gradsync.GradientAccumulator(model, steps=2)
+    for x, y in acc.iterate(batches(4 - rank, world_size)):  # rank 1 runs out of data early
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+
+
+def test_ranks_with_different_amounts_of_data_fail_instead_of_stepping_apart():
+    errors = run_ranks(uneven_data, 2, timeout=30, return_errors=True)
+    for e in errors:
+        assert isinstance(e, Exception) and "ranks disagree about which backward" in str(e)
+
+
+def train_split(rank, world_size, rows, n, windows):
+    model = gradsync.DDP(mlp(seed=rank), **CAPS)
+    calls = counting(model)
+    acc = gradsync.GradientAccumulator(model, steps=99)  # split() decides the window's length
+    opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    loader = [(shard(x, rank, world_size), shard(y, rank, world_size))
+              for x, y in batches(windows, world_size, per_rank=rows)]
+    comm, sizes = [], []
+    for k, (x, y) in enumerate(acc.iterate(loader, micro_batches=n)):
+        n_calls = len(calls)
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(x), y))
+            opt.step()
+            opt.zero_grad()
+        comm.append(len(calls) - n_calls)
+        sizes.append(len(x))
+    return comm, sizes, len(model.reducer.buckets), params(model.module)
+
+
+def test_split_runs_a_large_batch_as_one_window_and_syncs_its_last_micro_batch():
+    world_size, rows, n, windows = 2, 7, 3, 2  # 7 rows in 3 micro-batches: uneven, still exact
+    ref = mlp(seed=0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches(windows, world_size, per_rank=rows):
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for comm, sizes, n_buckets, final in run_ranks(train_split, world_size, rows, n, windows):
+        assert comm == [0, 0, n_buckets] * windows
+        assert sizes == [3, 2, 2] * windows
+        assert_close_dicts(final, params(ref))
+
+
+# ------------------------------------------------------------- one process (plain module)
+def make_acc(steps=2, **kw):
+    model = mlp(seed=0)
+    return model, gradsync.GradientAccumulator(model, steps=steps, **kw)
+
+
+def test_plain_module_short_last_window_equals_its_big_batch():
+    data = batches(5, 1)
+    model, acc = make_acc(steps=3)
+    got = []
+    for x, y in acc.iterate(data):
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(x), y))
+        if acc.is_boundary:
+            got.append(grads(model))
+            model.zero_grad()
+    ref = mlp(seed=0)
+    for window in (data[:3], data[3:]):
+        F.mse_loss(ref(torch.cat([x for x, _ in window])), torch.cat([y for _, y in window])).backward()
+        assert_close_dicts(got.pop(0), grads(ref))
+        ref.zero_grad()
+
+
+@pytest.mark.parametrize("steps", [0, -1, 2.5, True, "4"])
+def test_steps_must_be_a_positive_integer(steps):
+    with pytest.raises(ValueError, match="steps must be an integer >= 1"):
+        gradsync.GradientAccumulator(mlp(), steps=steps)
+
+
+def test_misuse_raises_clearly():
+    model, acc = make_acc()
+    x, y = batches(1, 1)[0]
+    with pytest.raises(RuntimeError, match="inside `with acc.accumulate"):
+        acc.backward(F.mse_loss(model(x), y))
+    with acc.accumulate():
+        with pytest.raises(RuntimeError, match="already active"):
+            with acc.accumulate():
+                pass
+        acc.backward(F.mse_loss(model(x), y))
+        with pytest.raises(RuntimeError, match="already called in this micro-step"):
+            acc.backward(F.mse_loss(model(x), y))
+    with acc.accumulate():
+        with pytest.raises(RuntimeError, match="mixes backward with mean loss and with num_items"):
+            acc.backward(F.mse_loss(model(x), y, reduction="sum"), num_items=6)
+    with pytest.raises(ValueError, match="cannot split a batch of 6 rows into 7"):
+        acc.split((x, y), 7)
+    with pytest.raises(ValueError, match="num_items must be a finite number >= 0"):
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(x), y), num_items=-1)
+    with pytest.raises(RuntimeError, match="starts a window, but the current window has run 1 of 2"):
+        acc.split((x, y))
+
+
+def test_zero_items_in_a_window_raises():
+    model, acc = make_acc(steps=1)
+    x, y = batches(1, 1)[0]
+    with pytest.raises(ValueError, match="num_items summed to 0"):
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(x[:0]), y[:0], reduction="sum"), num_items=0)
+
+
+def test_wrapped_optimizer_and_scheduler_do_nothing_off_a_boundary():
+    model, acc = make_acc(steps=3)
+    raw = torch.optim.Adam(model.parameters(), lr=0.1)
+    opt = acc.wrap_optimizer(raw)
+    sched = acc.wrap_scheduler(torch.optim.lr_scheduler.StepLR(raw, step_size=1, gamma=0.5))
+    assert isinstance(opt, torch.optim.Optimizer) and opt.param_groups is raw.param_groups
+    x, y = batches(1, 1)[0]
+    before = params(model)
+    for _ in range(2):
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(x), y))
+            opt.step(); sched.step(); sched.step(); opt.zero_grad()  # noqa: E702
+    assert_close_dicts(params(model), before, atol=0, rtol=0)
+    assert raw.state == {} and raw.param_groups[0]["lr"] == 0.1 and model[0].weight.grad is not None
+    with acc.accumulate():
+        acc.backward(F.mse_loss(model(x), y))
+        opt.step(); sched.step(); sched.step(); opt.zero_grad()  # noqa: E702
+    assert raw.param_groups[0]["lr"] == 0.05  # one scheduler step per window, however often called
+    assert model[0].weight.grad is None and len(raw.state) == len(list(model.parameters()))
+
+
+def run_resumable(stop_after, state=None):
+    """Run 5 micro-steps of item-count accumulation (steps=3); optionally stop and return state."""
+    model, acc = make_acc(steps=3)
+    opt = acc.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    start = 0
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        acc.load_state_dict(state["acc"])
+        for p, g in zip(model.parameters(), state["grads"]):
+            p.grad = None if g is None else g.clone()
+        start = state["start"]
+    data = batches(5, 1)
+    for k in range(start, 5):
+        x, y = data[k]
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(x[:k + 2]), y[:k + 2], reduction="sum"), num_items=k + 2)
+            opt.step()
+            opt.zero_grad()
+        if k + 1 == stop_after:
+            return {"model": model.state_dict(), "opt": opt.state_dict(), "acc": acc.state_dict(),
+                    "grads": [None if p.grad is None else p.grad.clone() for p in model.parameters()],
+                    "start": k + 1}
+    return params(model)
+
+
+@pytest.mark.parametrize("stop_after", [1, 3, 4])
+def test_state_dict_resumes_mid_window_bit_identically(stop_after):
+    straight = run_resumable(stop_after=None)
+    resumed = run_resumable(stop_after=None, state=run_resumable(stop_after))
+    assert_close_dicts(resumed, straight, atol=0, rtol=0)
+    _, other = make_acc(steps=4)
+    with pytest.raises(ValueError, match="checkpoint has steps=3"):
+        other.load_state_dict(run_resumable(stop_after)["acc"])

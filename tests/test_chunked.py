@@ -1,0 +1,212 @@
+"""Chunked: outputs and gradients equal the unchunked module's, alone and inside gradsync DDP."""
+import gc
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync.launch import run_ranks
+from helpers import assert_close_dicts, batches, grads, shard
+
+
+def block(seed=0, width=16, dropout=0.0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, width), nn.GELU(), nn.Dropout(dropout), nn.Linear(width, 8))
+
+
+def model_with_block(seed=0, chunks=None):
+    torch.manual_seed(seed)
+    inner = block(seed)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), gradsync.Chunked(inner, chunks) if chunks else inner,
+                         nn.Linear(8, 4))
+
+
+def run(module, x, weight):
+    out = module(x)
+    (out * weight).sum().backward()
+    return out.detach()
+
+
+@pytest.mark.parametrize("rows,chunks", [(10, 3), (8, 4), (3, 5), (6, 1)])
+@pytest.mark.parametrize("input_grad", [True, False])
+def test_gradients_equal_the_unchunked_module(rows, chunks, input_grad):
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 8, generator=g)
+    weight = torch.randn(rows, 8, generator=g)
+    ref, ours = block(), gradsync.Chunked(block(), chunks)
+    xa, xb = x.clone().requires_grad_(input_grad), x.clone().requires_grad_(input_grad)
+    torch.testing.assert_close(run(ours, xb, weight), run(ref, xa, weight))
+    assert_close_dicts(grads(ours.module), grads(ref))
+    if input_grad:
+        torch.testing.assert_close(xb.grad, xa.grad)
+
+
+class TwoHeads(nn.Module):
+    """Tuple outputs (one an integer tensor), a keyword argument and an argument passed whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x, bias, *, scale):
+        h = torch.tanh(self.a(x) + bias)  # bias: (8,), the same for every row
+        return {"h": h * scale, "logits": (self.b(h), h.argmax(1)), "tag": "heads"}
+
+
+def test_structured_outputs_kwargs_and_unsplit_arguments():
+    g = torch.Generator().manual_seed(0)
+    x, bias, scale = (torch.randn(9, 8, generator=g), torch.randn(8, generator=g),
+                      torch.randn(9, 1, generator=g))
+    outs, got = [], []
+    for chunks in (None, 4):
+        torch.manual_seed(0)
+        module = TwoHeads()
+        wrapped = gradsync.Chunked(module, chunks) if chunks else module
+        xs, bs, ss = (t.clone().requires_grad_() for t in (x, bias, scale))
+        out = wrapped(xs, bs, scale=ss)
+        assert out["tag"] == "heads" and out["logits"][1].dtype == torch.int64
+        (out["h"].square().sum() + out["logits"][0].sin().sum()).backward()
+        outs.append(out)
+        got.append({**grads(module), "x": xs.grad, "bias": bs.grad, "scale": ss.grad})
+    torch.testing.assert_close(outs[1]["h"], outs[0]["h"])
+    assert torch.equal(outs[1]["logits"][1], outs[0]["logits"][1])
+    assert_close_dicts(got[1], got[0])
+
+
+class Aliasing(nn.Module):
+    """Gradients autograd hands out twice: one tensor for p1 and p2, the incoming one for q."""
+
+    def __init__(self):
+        super().__init__()
+        self.p1, self.p2 = nn.Parameter(torch.randn(8, 8)), nn.Parameter(torch.randn(8, 8))
+        self.q = nn.Parameter(torch.randn(2, 8))  # the size of one chunk: passed straight through
+
+    def forward(self, x):
+        return x @ (self.p1 + self.p2) + self.q
+
+
+def test_parameter_gradients_that_alias_are_not_summed_in_place():
+    torch.manual_seed(0)
+    module, x = Aliasing(), torch.randn(8, 8)
+    weight = torch.randn(8, 8)
+    (torch.cat([module(part) for part in x.split(2)]) * weight).sum().backward()
+    want = grads(module)
+    module.zero_grad()
+    run(gradsync.Chunked(module, 4), x, weight)
+    assert_close_dicts(grads(module), want)
+
+
+def test_dropout_replays_each_chunks_random_numbers():
+    x = torch.randn(12, 8, generator=torch.Generator().manual_seed(1))
+    module = block(dropout=0.5)
+    torch.manual_seed(7)
+    ref_out = torch.cat([module(part) for part in x.tensor_split(3)])  # the chunks, kept in memory
+    ref_out.square().sum().backward()
+    ref_grads, after_ref = grads(module), torch.get_rng_state()
+    module.zero_grad()
+    torch.manual_seed(7)
+    out = gradsync.Chunked(module, 3)(x)
+    after_forward = torch.get_rng_state()
+    out.square().sum().backward()
+    torch.testing.assert_close(out, ref_out)
+    assert_close_dicts(grads(module), ref_grads)
+    assert torch.equal(after_forward, after_ref)  # the forward consumed what the chunks would
+    assert torch.equal(torch.get_rng_state(), after_ref)  # and the recomputation gave it back
+
+
+def test_recomputation_runs_under_the_forwards_autocast():
+    module = block()
+    dtypes = []
+    module[0].register_forward_hook(lambda m, i, out: dtypes.append(out.dtype))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = gradsync.Chunked(module, 4)(torch.randn(8, 8))
+    out.float().sum().backward()  # outside the autocast region, as training loops do
+    assert dtypes == [torch.bfloat16] * 8 and out.dtype == torch.bfloat16
+
+
+def test_each_parameter_is_accumulated_once_per_backward():
+    module = block()
+    fired = {n: 0 for n, _ in module.named_parameters()}
+    for n, p in module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda _p, n=n: fired.__setitem__(n, fired[n] + 1))
+    gradsync.Chunked(module, 4)(torch.randn(8, 8)).sum().backward()
+    assert set(fired.values()) == {1}
+
+
+def test_no_activation_outlives_its_chunk_without_the_garbage_collector():
+    module = block()
+    alive = []
+    for layer in (module[1], module[3]):  # an activation and the chunk's output
+        layer.register_forward_hook(lambda m, i, out: alive.append(weakref.ref(out.untyped_storage())))
+    gc.disable()
+    try:
+        out = gradsync.Chunked(module, 4)(torch.randn(8, 8, requires_grad=True))
+        assert len(alive) == 8 and all(r() is None for r in alive)  # forward keeps no activations
+        out.sum().backward()
+        assert len(alive) == 16 and all(r() is None for r in alive)  # nor does the recomputation
+    finally:
+        gc.enable()
+
+
+def test_no_grad_and_frozen_runs_are_plain_calls_and_batch_norm_is_refused():
+    x = torch.randn(6, 8)
+    module = block()
+    with torch.no_grad():
+        torch.testing.assert_close(gradsync.Chunked(module, 3)(x), module(x))
+    norm = gradsync.Chunked(nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)), 2)
+    with pytest.raises(ValueError, match="BatchNorm1d '1' in training mode"):
+        norm(x)
+    norm.eval()
+    norm(x).sum().backward()
+    x.requires_grad_()
+    (g,) = torch.autograd.grad(gradsync.Chunked(module, 3)(x).square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()  # no silent wrong second derivative
+    with pytest.raises(ValueError, match="chunks must be an integer >= 1"):
+        gradsync.Chunked(module, 0)
+    with pytest.raises(ValueError, match="0-dim tensor"):
+        gradsync.Chunked(nn.Sequential(nn.Linear(8, 8), Sum()), 2)(x)
+
+
+class Sum(nn.Module):
+    def forward(self, x):
+        return x.sum()
+
+
+def train_chunked(rank, world_size, chunks, steps):
+    """2 windows of ``steps`` micro-steps: no_sync inside a window, one sync at its end."""
+    model = gradsync.DDP(model_with_block(seed=rank, chunks=chunks), bucket_cap_mb=0.001,
+                         first_bucket_cap_mb=0.0005)
+    acc = gradsync.GradientAccumulator(model, steps=steps)
+    opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    history = []
+    for x, y in acc.iterate(batches(2 * steps, world_size, per_rank=5)):
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+            if acc.is_boundary:
+                history.append(grads(model.module))
+            opt.step()
+            opt.zero_grad()
+    return history
+
+
+@pytest.mark.parametrize("steps", [1, 3])
+def test_under_ddp_with_two_ranks_and_no_sync_gradients_match_one_unchunked_process(steps):
+    world_size = 2
+    ref = model_with_block(seed=0)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    data = batches(2 * steps, world_size, per_rank=5)
+    want = []
+    for w in range(2):
+        for x, y in data[w * steps:(w + 1) * steps]:
+            (F.mse_loss(ref(x), y) / steps).backward()
+        want.append(grads(ref))
+        opt.step()
+        opt.zero_grad()
+    for history in run_ranks(train_chunked, world_size, 3, steps):
+        assert len(history) == 2
+        for got, expected in zip(history, want):
+            assert_close_dicts({k.replace(".module.", "."): v for k, v in got.items()}, expected)
