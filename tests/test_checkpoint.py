@@ -84,8 +84,47 @@ def unused_micro_step(model, opt, x, y, syncs):
         opt.zero_grad()
 
 
+def accumulator_build(wrapper, sync_each_batch):
+    def build(rank):
+        model = wrapper(mlp(seed=rank), **CAPS)
+        if wrapper is gradsync.ShardedDataParallel:
+            opt = gradsync.ShardedOptimizer(model, torch.optim.AdamW, lr=0.01)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        acc = gradsync.GradientAccumulator(model, steps=2, sync_each_batch=sync_each_batch)
+        return model, (acc, acc.wrap_optimizer(opt))
+    return build
+
+
+def accumulator_micro_step(model, bundle, x, y, syncs):
+    acc, opt = bundle
+    with acc.accumulate():
+        assert acc.is_boundary == syncs  # PLAN's windows are the accumulator's windows
+        acc.backward(F.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+
+
+def accumulator_save(model, bundle):
+    acc, opt = bundle
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "accumulator": acc.state_dict(),
+            "grads": model.grad_state_dict()}
+
+
+def accumulator_load(model, bundle, state):
+    acc, opt = bundle
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    acc.load_state_dict(state["accumulator"])
+    model.load_grad_state_dict(state["grads"])
+
+
 SETUPS = {"ddp_adam": Setup(ddp_build, ddp_micro_step, ddp_save, ddp_load),
           "ddp_find_unused": Setup(unused_build, unused_micro_step, ddp_save, ddp_load)}
+for _name, _wrapper in (("ddp", gradsync.DistributedDataParallel), ("sharded", gradsync.ShardedDataParallel)):
+    for _each in (False, True):
+        SETUPS[f"{_name}_accumulator{'_sync_each_batch' if _each else ''}"] = Setup(
+            accumulator_build(_wrapper, _each), accumulator_micro_step, accumulator_save, accumulator_load)
 
 
 def run_plan(rank, world_size, setup_name, start, stop, directory):

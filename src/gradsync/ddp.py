@@ -268,6 +268,19 @@ class DistributedDataParallel(nn.Module):
         if grads:
             torch._foreach_mul_(grads, factor)
 
+    def grad_state_dict(self) -> dict[str, Any]:
+        """Return this rank's gradients: mid-window, the accumulated micro-steps are training state."""
+        return {name: p.grad.detach().clone() for name, p in zip(self.reducer.names, self.reducer.params)
+                if p.grad is not None}
+
+    def load_grad_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore gradients saved by ``grad_state_dict()`` on the same rank."""
+        unknown = set(state) - set(self.reducer.names)
+        if unknown:
+            raise KeyError(f"gradsync: the gradient state names unknown parameters: {sorted(unknown)[:5]}")
+        for name, p in zip(self.reducer.names, self.reducer.params):
+            p.grad = state[name].detach().clone().to(p.device) if name in state else None
+
 
 DDP = DistributedDataParallel
 __all__ = ["DistributedDataParallel", "DDP", "SyncError"]

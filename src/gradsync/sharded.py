@@ -242,6 +242,24 @@ class ShardedDataParallel(DistributedDataParallel):
         tensors += [p.grad for p in self.reducer.params if p.grad is not None]
         torch._foreach_mul_(tensors, factor)
 
+    def grad_state_dict(self) -> dict[str, Any]:
+        """Return this rank's gradient shards and pending local gradients (rank-local state)."""
+        reducer = self.reducer
+        return {"local": super().grad_state_dict(), "has_grad": list(reducer.has_grad),
+                "shards": [b.grad_shard.clone() for b in reducer.buckets], "world_size": self.world_size}
+
+    def load_grad_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore ``grad_state_dict()`` of the same rank at the same world size."""
+        if state["world_size"] != self.world_size:
+            raise ValueError(
+                f"gradsync: gradient shards saved at world size {state['world_size']} cannot load at "
+                f"{self.world_size}; resume mid-window at the same world size, or checkpoint at a "
+                "window boundary (the optimizer state itself loads at any world size)")
+        super().load_grad_state_dict(state["local"])
+        self.reducer.has_grad = list(state["has_grad"])
+        for bucket, shard in zip(self.reducer.buckets, state["shards"]):
+            bucket.grad_shard.copy_(shard)
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
