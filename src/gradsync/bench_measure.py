@@ -61,7 +61,7 @@ def time_engines(rank, world, spec, names, accum, warmup, reps, cap) -> dict:
     return {"times": times, "cpu": cpu, "engines": engines}
 
 
-def overhead_rank(rank, world, layers: int = 96, width: int = 8, reps: int = 30) -> dict:
+def overhead_rank(rank, world, layers: int = 96, width: int = 8, reps: int = 40) -> dict:
     """Backward time of a model of many tiny parameters, where per-parameter bookkeeping dominates:
     plain module, and each engine with and without communication."""
     from .bench_models import GradsyncEngine, ModelSpec
@@ -71,26 +71,28 @@ def overhead_rank(rank, world, layers: int = 96, width: int = 8, reps: int = 30)
                 "gradsync": GradsyncEngine(spec.build(), bucket_cap_mb=25, view=False, set_to_none=True, lr=0).model,
                 "torch": TorchEngine(spec.build(), bucket_cap_mb=25, view=False, set_to_none=True, lr=0).model}
     x, y = spec.batch_for(rank, 0)
-    out: dict[str, float] = {}
-    for name, model in variants.items():
-        for sync in ((True,) if name == "plain module" else (False, True)):
-            samples = []
-            for r in range(reps + 3):
-                dist.barrier()
-                start = time.perf_counter()
-                if sync:
+    runs = [("plain module", base, True)] + [(f"{name} {'synced' if sync else 'no_sync'}", model, sync)
+                                             for name, model in variants.items() if name != "plain module"
+                                             for sync in (False, True)]
+    samples: dict[str, list[float]] = {label: [] for label, _, _ in runs}
+    for r in range(reps + 3):
+        shift = r % len(runs)  # alternate the variants so load changes hit all of them alike
+        for label, model, sync in runs[shift:] + runs[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            if sync:
+                loss_fn(model(x), y).backward()
+            else:
+                with model.no_sync():
                     loss_fn(model(x), y).backward()
-                else:
-                    with model.no_sync():
-                        loss_fn(model(x), y).backward()
-                elapsed = _reduce([time.perf_counter() - start], dist.ReduceOp.MAX)[0]
-                if r >= 3:
-                    samples.append(elapsed)
-                for p in model.parameters():
-                    p.grad = None
-            label = name if name == "plain module" else f"{name} {'synced' if sync else 'no_sync'}"
-            out[label] = sorted(samples)[len(samples) // 2]
-    return {"params": sum(1 for _ in base.parameters()), "median_s": out}
+            elapsed = _reduce([time.perf_counter() - start], dist.ReduceOp.MAX)[0]
+            if r >= 3:
+                samples[label].append(elapsed)
+            for p in model.parameters():
+                p.grad = None
+    out = {label: sorted(t)[len(t) // 2] for label, t in samples.items()}
+    fastest = {label: min(t) for label, t in samples.items()}
+    return {"params": sum(1 for _ in base.parameters()), "median_s": out, "min_s": fastest}
 
 
 @contextlib.contextmanager
