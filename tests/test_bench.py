@@ -28,6 +28,10 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
     for engine in ("gradsync", "torch", "naive"):
         assert row["bytes"][engine]["by_op"]["all_reduce:gradients"] == row["grad_bytes"], engine
     assert row["grad_bytes"] == 4 * row["params"]
+    if "gradsync-sharded" in row["bytes"]:  # reduce-scatter once per window (buckets padded to W)
+        scattered = sum(v for k, v in row["bytes"]["gradsync-sharded"]["by_op"].items()
+                        if k.startswith("reduce_scatter") and k.endswith("gradients"))
+        assert row["grad_bytes"] <= scattered < row["grad_bytes"] + 1024
     # One traced synced backward per window (2 windows), each bucket launched and finished.
     assert len(row["trace"]) == 2
     for it in row["trace"]:

@@ -11,6 +11,7 @@ import ctypes
 import gc
 import os
 import pstats
+import sys
 import time
 from collections import defaultdict
 
@@ -25,6 +26,10 @@ from .bench_models import TorchEngine, count_params, loss_fn, make_engines
 # reduce-scatter and all-gather (W-1)/W, broadcast ~1 (pipelined).
 RING_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter_tensor": lambda w: (w - 1) / w,
                "all_gather_into_tensor": lambda w: (w - 1) / w, "broadcast": lambda w: 1.0}
+# torch 2.13 names for the same two (output first, like the old ones)
+for _new, _old in (("reduce_scatter_single", "reduce_scatter_tensor"), ("all_gather_single", "all_gather_into_tensor")):
+    if hasattr(dist, _new):
+        RING_FACTOR[_new] = RING_FACTOR[_old]
 
 
 def _window(engine, spec, rank: int, step: int, accum: int) -> None:
@@ -97,22 +102,34 @@ def overhead_rank(rank, world, layers: int = 96, width: int = 8, reps: int = 40)
 
 @contextlib.contextmanager
 def count_collectives(log: list):
-    """Record (op, dtype, bytes) of every collective called through ``torch.distributed``."""
-    saved = {op: getattr(dist, op) for op in RING_FACTOR}
+    """Record (op, dtype, bytes of the full tensor) of every collective gradsync calls.
+
+    Patches ``torch.distributed`` and any gradsync module that bound a collective to a name of
+    its own at import time; every call still goes to the real collective.
+    """
+    originals = {getattr(dist, op): op for op in RING_FACTOR}
+    patched = []
 
     def counting(op, fn):
-        def wrapper(tensor, *args, **kwargs):
-            log.append((op, str(tensor.dtype), tensor.numel() * tensor.element_size()))
-            return fn(tensor, *args, **kwargs)
+        def wrapper(*args, **kwargs):
+            # the full tensor: all-reduce's and broadcast's only one, reduce-scatter's input,
+            # all-gather's output
+            full = args[1] if op.startswith("reduce_scatter") else args[0]
+            log.append((op, str(full.dtype), full.numel() * full.element_size()))
+            return fn(*args, **kwargs)
         return wrapper
 
-    for op, fn in saved.items():
-        setattr(dist, op, counting(op, fn))
+    modules = [dist] + [m for name, m in list(sys.modules.items()) if name.startswith("gradsync") and m]
+    for module in modules:
+        for attr, value in list(vars(module).items()):
+            if callable(value) and value in originals:
+                patched.append((module, attr, value))
+                setattr(module, attr, counting(originals[value], value))
     try:
         yield log
     finally:
-        for op, fn in saved.items():
-            setattr(dist, op, fn)
+        for module, attr, value in patched:
+            setattr(module, attr, value)
 
 
 def _counting_torch_hook(log: list):

@@ -59,6 +59,138 @@ def _overhead_section(record: dict) -> list[str]:
     return md + [""]
 
 
+def _span(s: dict) -> str:
+    return f"{_ms(s['median'])} ({_ms(s['min'])}-{_ms(s['max'])})"
+
+
+def overlap(trace: list[dict]) -> dict | None:
+    """Share of bucket communication time that ran before the last gradient was produced."""
+    shares, exposed, comm = [], [], []
+    for it in trace:
+        buckets = [b for b in it["buckets"] if {"ready", "launch", "done"} <= b.keys()]
+        if not buckets or len(buckets) != len(it["buckets"]):
+            continue
+        compute_end = max(b["ready"] for b in buckets)
+        merged: list[list[float]] = []
+        for s, e in sorted((b["launch"], b["done"]) for b in buckets):
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        total = sum(e - s for s, e in merged)
+        hidden = sum(max(0.0, min(e, compute_end) - s) for s, e in merged)
+        comm.append(total)
+        shares.append(hidden / total if total > 0 else 0.0)
+        exposed.append(max(0.0, max(b["done"] for b in buckets) - compute_end))
+    if not shares:
+        return None
+    n = len(shares)
+    return {"share": sum(shares) / n, "comm_s": sum(comm) / n, "exposed_s": sum(exposed) / n,
+            "buckets": len(trace[-1]["buckets"]), "iterations": n}
+
+
+def _targets(record: dict) -> list[str]:
+    out = []
+    for row in record["models"]:
+        r = row["paired_ratio"]["gradsync"]
+        r_min = row["times"]["gradsync"]["min"] / row["times"]["torch"]["min"]
+        ok = "met" if r <= TARGET_RATIO else "NOT met"
+        out.append(f"- step time {row['model']} accumulation {row['accum']}: gradsync/torch = {r:.3f} paired "
+                   f"({r_min:.3f} fastest/fastest) (target <= {TARGET_RATIO}): {ok}")
+        b = row["bytes"]["gradsync"]["by_op"].get("all_reduce:gradients", 0.0)
+        ok = "met" if abs(b - row["grad_bytes"]) < 1 else "NOT met"
+        out.append(f"- gradient bytes all-reduced per window, {row['model']} accumulation {row['accum']}: "
+                   f"{b / row['grad_bytes']:.3f} x the gradient (target exactly 1): {ok}")
+    for m in _memory_rows(record):
+        if m["engine"] == "gradsync":
+            ok = "met" if m["saving"] >= TARGET_SAVING else "NOT met"
+            out.append(f"- gradient-view saving, set_to_none={m['set_to_none']}: {m['saving']:.2f} of one "
+                       f"gradient copy (target >= {TARGET_SAVING}): {ok}")
+    return out
+
+
+def _memory_rows(record: dict) -> list[dict]:
+    rows = record.get("memory", [])
+    base = {(r["engine"], r["set_to_none"]): r["peak_bytes"] for r in rows if not r["view"]}
+    out = []
+    for r in rows:
+        if r["view"]:
+            saved = base[(r["engine"], r["set_to_none"])] - r["peak_bytes"]
+            out.append({**r, "saving": saved / r["grad_bytes"]})
+    return out
+
+
+def write(record: dict, out_dir: str, stem: str) -> str:
+    """Write ``<stem>.md`` (and PNG plots when matplotlib is installed); return the markdown path."""
+    plots = _plots(record, out_dir, stem)
+    m, w = record["machine"], record["world"]
+    md = [f"# gradsync bench, {record['date']}", "",
+          f"{w} gloo ranks (1 thread each) on {m['cpu']}, {m['cores']} cores; torch {m['torch']}, "
+          f"Python {m['python']}. Load average before/after: {m['load_before'][0]:.2f} / "
+          f"{m['load_after'][0]:.2f} (the CPU may be shared with other work: compare ratios, not "
+          f"absolute times). Engines alternate window by window on identical model copies, data and "
+          f"bucket caps ({record['bucket_cap_mb']:g} MB, first bucket 1 MB); SGD; {record['warmup']} "
+          f"warm-up + {record['reps']} timed windows each; a window is `accum` micro-steps "
+          "(`no_sync` on all but the last) plus the optimizer step; time = max over ranks. "
+          f"Total run: {record['seconds']:.0f} s.", ""]
+    if record["models"]:
+        md += ["## Step time per optimizer step (median, min-max, ms)", "", ratio_table(record), ""]
+        md += _ratio_details(record)
+        md += ["## Targets", "", *_targets(record), ""]
+        md += _comm_section(record)
+        md += _profile_section(record)
+    md += _overhead_section(record)
+    if record["sweep"]:
+        md += ["## Model-size sweep (MLP, accumulation 1, median ms)", "",
+               "| model | params | " + " | ".join(record["engines"]) + " | gradsync / torch (paired) |",
+               "|" + "---|" * (3 + len(record["engines"]))]
+        for row in record["sweep"]:
+            t = row["times"]
+            md.append(f"| {row['model']} | {row['params']:,} | " + " | ".join(_span(t[e]) for e in record["engines"])
+                      + f" | {row['paired_ratio']['gradsync']:.3f} |")
+        md.append("")
+    if record["memory"]:
+        md += _memory_section(record)
+    md += [f"![{name}]({os.path.basename(path)})" for name, path in plots.items()]
+    if not plots:
+        md.append("(plots skipped: install matplotlib, e.g. `pip install gradsync[dev]`)")
+    path = os.path.join(out_dir, stem + ".md")
+    with open(path, "w") as f:
+        f.write("\n".join(md) + "\n")
+    return path
+
+
+def _comm_section(record: dict) -> list[str]:
+    w = record["world"]
+    md = ["## Communication per optimizer step (per rank)", "",
+          "Counted at the call: every tensor gradsync and the naive baseline pass to `torch.distributed` "
+          "collectives, and every bucket torch's DDP hands to a (counting) comm hook. *Wire* converts "
+          f"payload to the bytes one rank sends under ring algorithms (all-reduce 2(W-1)/W = {2 * (w - 1) / w:g}, "
+          "reduce-scatter and all-gather (W-1)/W each); the minimum is 2(W-1)/W times the gradient bytes. "
+          "Control bytes are gradsync's end-of-backward check (int32 counters).", "",
+          "| model | accum | engine | collective calls | gradient payload MiB | parameter payload MiB | control bytes | wire MiB | minimum MiB | wire / minimum |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in record["models"]:
+        minimum = 2 * (w - 1) / w * row["grad_bytes"]
+        for e, b in row["bytes"].items():
+            grads = sum(v for k, v in b["by_op"].items() if k.endswith("gradients"))
+            control = sum(v for k, v in b["by_op"].items() if k.endswith("control"))
+            params = sum(v for k, v in b["by_op"].items() if k.endswith("parameters"))
+            md.append(f"| {row['model']} | {row['accum']} | {e} | {b['calls']:g} | {grads / MiB:.2f} | "
+                      f"{params / MiB:.2f} | {control:.0f} | {b['ring_wire_bytes'] / MiB:.2f} | {minimum / MiB:.2f} | "
+                      f"{b['ring_wire_bytes'] / minimum:.4f} |")
+    md += ["", "## Overlap of communication with backward (gradsync comm trace)", "",
+           "Share of the buckets' communication time (union of launch..done intervals) that ran before the "
+           "last bucket became ready (the end of gradient computation); *exposed* is the wait after it.", "",
+           "| model | accum | buckets | comm ms | hidden share | exposed ms |", "|---|---|---|---|---|---|"]
+    for row in record["models"]:
+        o = overlap(row.get("trace", []))
+        if o:
+            md.append(f"| {row['model']} | {row['accum']} | {o['buckets']} | {_ms(o['comm_s'])} | "
+                      f"{o['share']:.2f} | {_ms(o['exposed_s'])} |")
+    return md + [""]
+
+
 def _profile_section(record: dict) -> list[str]:
     md = ["## Where gradsync's Python time goes (cProfile, rank 0, per optimizer step)", "",
           "cProfile slows Python code (not torch kernels), so these shares are upper bounds.", ""]
