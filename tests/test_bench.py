@@ -20,7 +20,7 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
     assert json.loads((tmp_path / (stem + ".json")).read_text())["models"][0]["accum"] == 3
 
     row = record["models"][0]
-    expected = {"gradsync", "torch", "naive"} | ({"gradsync-sharded"} if hasattr(gradsync, "ShardedDataParallel") else set())
+    expected = {"gradsync", "torch", "naive", "gradsync-bf16"} | ({"gradsync-sharded"} if hasattr(gradsync, "ShardedDataParallel") else set())
     assert set(row["times"]) == expected
     assert all(len(t) == 2 for t in row["raw_times"].values())
     assert row["paired_ratio"]["torch"] == 1.0
@@ -28,6 +28,8 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
     for engine in ("gradsync", "torch", "naive"):
         assert row["bytes"][engine]["by_op"]["all_reduce:gradients"] == row["grad_bytes"], engine
     assert row["grad_bytes"] == 4 * row["params"]
+    # the bf16 hook halves the payload
+    assert row["bytes"]["gradsync-bf16"]["by_op"]["all_reduce:gradients"] == row["grad_bytes"] // 2
     if "gradsync-sharded" in row["bytes"]:  # reduce-scatter once per window (buckets padded to W)
         scattered = sum(v for k, v in row["bytes"]["gradsync-sharded"]["by_op"].items()
                         if k.startswith("reduce_scatter") and k.endswith("gradients"))
@@ -40,6 +42,7 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
     assert row["profile"]["hook"]["calls"] == 3 * len(list(bench.quick_plan(bench.parse_args(["--quick"]))
                                                            .models[0].build().parameters()))
     assert record["sweep"][0]["params"] > 10_000
+    assert [r["cap"] for r in record["buckets"]] == [0.05, 1] and record["buckets"][0]["buckets"] >= 1
     assert set(record["overhead"]["median_s"]) >= {"plain module", "gradsync synced", "torch no_sync"}
 
 

@@ -38,6 +38,7 @@ class Plan:
     accums: list[int] = field(default_factory=lambda: [1, 4])
     sweep: list[ModelSpec] = field(default_factory=list)
     memory_model: ModelSpec | None = None
+    bucket_caps: list[float] = field(default_factory=list)  # bucket_cap_mb values for the cap sweep
     warmup: int = 2
     reps: int = 5
     memory_steps: int = 3
@@ -56,6 +57,7 @@ def full_plan(args) -> Plan:
                 ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64)],
         sweep=[mlp_for_params(p) for p in args.params],
         memory_model=ModelSpec(name="mlp-50M", kind="mlp", width=2048, depth=12, batch=16),
+        bucket_caps=[1, 5, 25, 100],
         warmup=args.warmup or 2, reps=args.reps or 7, bucket_cap_mb=args.bucket_cap_mb))
 
 
@@ -65,6 +67,7 @@ def quick_plan(args) -> Plan:
                 ModelSpec(name="gpt-tiny", kind="gpt", width=64, depth=1, batch=2, seq=8)],
         accums=[1, 2], sweep=[mlp_for_params(p, depth=2, batch=4) for p in args.params or [2e4, 8e4]],
         memory_model=ModelSpec(name="mlp-tiny", kind="mlp", width=256, depth=2, batch=4),
+        bucket_caps=[0.05, 1],
         warmup=args.warmup or 1, reps=args.reps or 2, memory_steps=1, bucket_cap_mb=args.bucket_cap_mb))
 
 
@@ -110,6 +113,17 @@ def run_sweep(plan: Plan, world: int, names: list[str], log) -> list[dict]:
         r = run_ranks(measure.time_engines_plain, world, spec, names, 1, plan.warmup, plan.reps,
                       plan.bucket_cap_mb, timeout=900)[0]
         rows.append({"model": spec.name, "params": r["params"], **timing_summary(r)})
+    return rows
+
+
+def run_bucket_caps(plan: Plan, world: int, log) -> list[dict]:
+    spec = plan.models[-1]  # the transformer, when it is timed
+    rows = []
+    for cap in plan.bucket_caps:
+        log(f"  bucket_cap_mb={cap:g} on {spec.name}: gradsync vs torch")
+        r = run_ranks(measure.time_engines_plain, world, spec, ["gradsync", "torch"], 1, plan.warmup,
+                      plan.reps, cap, timeout=900)[0]
+        rows.append({"model": spec.name, "cap": cap, "buckets": r["buckets"], **timing_summary(r)})
     return rows
 
 
@@ -162,7 +176,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=0, help="warm-up windows per engine (default 2)")
     p.add_argument("--reps", type=int, default=0, help="timed windows per engine (default 7)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
-    p.add_argument("--skip", default="", help="comma separated parts to skip: models,overhead,sweep,memory")
+    p.add_argument("--skip", default="", help="comma separated parts to skip: models,overhead,buckets,sweep,memory")
     p.add_argument("--out", default="benchmarks/results", help="directory for the report and plots")
     args = p.parse_args(argv)
     if args.world < 2:
@@ -193,7 +207,8 @@ def main(argv=None) -> dict:
         log("  per-parameter overhead: a model of many tiny parameters")
         record["overhead"] = run_ranks(measure.overhead_rank, args.world, *((8, 8, 5) if args.quick else ()),
                                        timeout=600)[0]
-    record["sweep"] = [] if "sweep" in skip else run_sweep(plan, args.world, names, log)
+    record["buckets"] = [] if "buckets" in skip or not plan.models else run_bucket_caps(plan, args.world, log)
+    record["sweep"] = [] if "sweep" in skip else run_sweep(plan, args.world, [n for n in names if n != "gradsync-bf16"], log)
     record["memory"] = [] if "memory" in skip or plan.memory_model is None else \
         run_memory(plan, args.world, names, log)
     if plan.memory_model is not None:

@@ -203,8 +203,9 @@ def profile_gradsync(rank, world, spec, engine, accum, windows: int = 3, top: in
 def time_engines_plain(rank, world, spec, names, accum, warmup, reps, cap) -> dict:
     """``time_engines`` without the engines (for the size sweep)."""
     timed = time_engines(rank, world, spec, names, accum, warmup, reps, cap)
-    return {"times": timed["times"], "cpu": timed["cpu"],
-            "params": count_params(timed["engines"]["gradsync"].model.module)}
+    model = timed["engines"]["gradsync"].model
+    return {"times": timed["times"], "cpu": timed["cpu"], "params": count_params(model.module),
+            "buckets": len(model.reducer.buckets)}
 
 
 def model_rank(rank, world, spec, names, accum, warmup, reps, cap, profile: bool) -> dict:

@@ -151,6 +151,17 @@ class GradsyncEngine(Engine):
         return gradsync.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=view)
 
 
+class CompressedEngine(GradsyncEngine):
+    """gradsync with the bf16 compression hook: half the bytes, a cast each way."""
+
+    name = "gradsync-bf16"
+
+    def wrap(self, module, bucket_cap_mb, view):
+        model = super().wrap(module, bucket_cap_mb, view)
+        model.register_comm_hook(None, gradsync.bf16_compress_hook)
+        return model
+
+
 class TorchEngine(Engine):
     name = "torch"
 
@@ -193,7 +204,7 @@ class ShardedEngine(Engine):
 
 
 def available_engines() -> list[type[Engine]]:
-    engines: list[type[Engine]] = [GradsyncEngine, TorchEngine, NaiveEngine]
+    engines: list[type[Engine]] = [GradsyncEngine, TorchEngine, NaiveEngine, CompressedEngine]
     if hasattr(gradsync, "ShardedDataParallel") and hasattr(gradsync, "ShardedOptimizer"):
         engines.append(ShardedEngine)
     return engines

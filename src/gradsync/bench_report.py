@@ -140,13 +140,23 @@ def write(record: dict, out_dir: str, stem: str) -> str:
         md += _comm_section(record)
         md += _profile_section(record)
     md += _overhead_section(record)
+    if record.get("buckets"):
+        md += [f"## Bucket size ({record['buckets'][0]['model']}, accumulation 1, median ms)", "",
+               "| bucket_cap_mb | gradsync buckets | gradsync | torch | gradsync / torch (paired) |",
+               "|---|---|---|---|---|"]
+        for row in record["buckets"]:
+            t = row["times"]
+            md.append(f"| {row['cap']:g} | {row['buckets']} | {_span(t['gradsync'])} | {_span(t['torch'])} | "
+                      f"{row['paired_ratio']['gradsync']:.3f} |")
+        md.append("")
     if record["sweep"]:
+        swept = list(record["sweep"][0]["times"])
         md += ["## Model-size sweep (MLP, accumulation 1, median ms)", "",
-               "| model | params | " + " | ".join(record["engines"]) + " | gradsync / torch (paired) |",
-               "|" + "---|" * (3 + len(record["engines"]))]
+               "| model | params | " + " | ".join(swept) + " | gradsync / torch (paired) |",
+               "|" + "---|" * (3 + len(swept))]
         for row in record["sweep"]:
             t = row["times"]
-            md.append(f"| {row['model']} | {row['params']:,} | " + " | ".join(_span(t[e]) for e in record["engines"])
+            md.append(f"| {row['model']} | {row['params']:,} | " + " | ".join(_span(t[e]) for e in swept)
                       + f" | {row['paired_ratio']['gradsync']:.3f} |")
         md.append("")
     if record["memory"]:
@@ -241,7 +251,7 @@ def _plots(record: dict, out_dir: str, stem: str) -> dict[str, str]:
     if record["sweep"]:
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = [r["params"] for r in record["sweep"]]
-        for e in record["engines"]:
+        for e in record["sweep"][0]["times"]:
             med = [1e3 * r["times"][e]["median"] for r in record["sweep"]]
             lo = [m - 1e3 * r["times"][e]["min"] for m, r in zip(med, record["sweep"])]
             hi = [1e3 * r["times"][e]["max"] - m for m, r in zip(med, record["sweep"])]
