@@ -58,7 +58,7 @@ def full_plan(args) -> Plan:
         sweep=[mlp_for_params(p) for p in args.params],
         memory_model=ModelSpec(name="mlp-50M", kind="mlp", width=2048, depth=12, batch=16),
         bucket_caps=[1, 5, 25, 100],
-        warmup=args.warmup or 2, reps=args.reps or 7, bucket_cap_mb=args.bucket_cap_mb))
+        warmup=args.warmup or 2, reps=args.reps or 11, bucket_cap_mb=args.bucket_cap_mb))
 
 
 def quick_plan(args) -> Plan:
@@ -174,7 +174,7 @@ def parse_args(argv=None):
     p.add_argument("--accum", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="accumulation steps to time, comma separated (default 1,4)")
     p.add_argument("--warmup", type=int, default=0, help="warm-up windows per engine (default 2)")
-    p.add_argument("--reps", type=int, default=0, help="timed windows per engine (default 7)")
+    p.add_argument("--reps", type=int, default=0, help="timed windows per engine (default 11)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--skip", default="", help="comma separated parts to skip: models,overhead,buckets,sweep,memory")
     p.add_argument("--out", default="benchmarks/results", help="directory for the report and plots")
