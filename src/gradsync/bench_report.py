@@ -263,13 +263,14 @@ def _plots(record: dict, out_dir: str, stem: str) -> dict[str, str]:
     if record["memory"]:
         fig, ax = plt.subplots(figsize=(7, 4))
         rows = record["memory"]
-        labels = [f"{r['engine']}\n{'view' if r['view'] else 'no view'}\n{'none' if r['set_to_none'] else 'zeros'}"
+        labels = [f"{r['engine']}\n{'view' if r['view'] else 'no view'}\n{'to None' if r['set_to_none'] else 'to zeros'}"
                   for r in rows]
         colors = ["tab:blue" if r["engine"] == "gradsync" else "tab:orange" if r["engine"] == "torch" else "tab:green"
                   for r in rows]
         ax.bar(range(len(rows)), [r["peak_bytes"] / MiB for r in rows], color=colors)
         ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set(ylabel="peak RSS above baseline, MiB", title=f"steady-state peak memory, {record.get('memory_model')}")
+        ax.set(ylabel="peak RSS above baseline, MiB",
+               title=f"steady-state peak memory, {record.get('memory_model')} (zero_grad to None / to zeros)")
         paths["peak memory"] = _save(fig, out_dir, stem + "-memory.png")
     traced = [r for r in record["models"] if r.get("trace")]
     if traced:
@@ -283,6 +284,7 @@ def _plots(record: dict, out_dir: str, stem: str) -> dict[str, str]:
             if "ready" in b:
                 ax.plot(1e3 * (b["ready"] - t0), b["index"], "k|", markersize=12)
         ax.axvline(1e3 * (it["backward_end"] - t0), color="tab:red", linestyle="--", label="backward returns")
+        ax.set_yticks([b["index"] for b in it["buckets"]])
         ax.set(xlabel="ms since the first gradient hook", ylabel="bucket",
                title=f"gradsync buckets, {row['model']} (| ready, bar: launch..done)")
         ax.invert_yaxis()
