@@ -52,9 +52,10 @@ def epoch_batches(args, epoch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def accuracy(module: nn.Module) -> float:
+    device = next(module.parameters()).device
     x, y = spirals(1024, seed=1)  # held-out points
     with torch.no_grad():
-        return (module(x.double()).argmax(1) == y).float().mean().item()
+        return (module(x.double().to(device)).argmax(1).cpu() == y).float().mean().item()
 
 
 def progress(rank: int, total: int, desc: str):
