@@ -5,6 +5,7 @@ import sys
 
 COMMANDS = {
     "demo": ("gradsync.demo", "train a small model on local ranks and check it against one process"),
+    "bench": ("gradsync.bench", "benchmark against torch's DDP; write tables and plots to benchmarks/results"),
 }
 
 
@@ -16,3 +17,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
     module = __import__(COMMANDS[argv[0]][0], fromlist=["main"])
     module.main(argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -253,7 +253,10 @@ class Reducer:
             self._adopt_view(i)
         else:
             _check_grad(grad, view, self.names[i])
-            view.copy_(grad)
+            if self.comm_hook is None:  # average while copying: saves a pass over the bucket (_launch)
+                torch.div(grad, self.world_size, out=view)
+            else:
+                view.copy_(grad)
 
     def _adopt_view(self, i: int) -> None:
         """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced)."""
@@ -275,7 +278,8 @@ class Reducer:
         if tracing:
             bucket.times["launch"] = time.perf_counter()
         if self.comm_hook is None:
-            bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
+            if self.gradient_as_bucket_view:  # otherwise _copy_to_bucket already divided
+                bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
             bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
         else:
             grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.views,

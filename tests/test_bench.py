@@ -1,0 +1,78 @@
+"""`gradsync bench`: a quick end-to-end run, the memory probe, and the overlap arithmetic."""
+import json
+import os
+
+import pytest
+import torch
+
+import gradsync
+from gradsync import bench, bench_measure, bench_report
+
+
+def test_quick_bench_writes_report_with_exact_communication(tmp_path):
+    record = bench.main(["--quick", "--models", "mlp", "--accum", "3", "--params", "20k",
+                         "--skip", "memory", "--out", str(tmp_path)])
+    files = sorted(os.listdir(tmp_path))
+    stem = next(f for f in files if f.endswith(".md"))[:-3]
+    assert {stem + ".json", stem + "-steptime.png", stem + "-timeline.png"} <= set(files)
+    report = (tmp_path / (stem + ".md")).read_text()
+    assert "| mlp-tiny | 3 |" in report and "## Per-parameter overhead" in report
+    assert json.loads((tmp_path / (stem + ".json")).read_text())["models"][0]["accum"] == 3
+
+    row = record["models"][0]
+    expected = {"gradsync", "torch", "naive", "gradsync-bf16"} | ({"gradsync-sharded"} if hasattr(gradsync, "ShardedDataParallel") else set())
+    assert set(row["times"]) == expected
+    assert all(len(t) == 2 for t in row["raw_times"].values())
+    assert row["paired_ratio"]["torch"] == 1.0
+    # Accumulating 3 micro-steps must reduce every gradient byte exactly once per window.
+    for engine in ("gradsync", "torch", "naive"):
+        assert row["bytes"][engine]["by_op"]["all_reduce:gradients"] == row["grad_bytes"], engine
+    assert row["grad_bytes"] == 4 * row["params"]
+    # the bf16 hook halves the payload
+    assert row["bytes"]["gradsync-bf16"]["by_op"]["all_reduce:gradients"] == row["grad_bytes"] // 2
+    if "gradsync-sharded" in row["bytes"]:  # reduce-scatter once per window (buckets padded to W)
+        scattered = sum(v for k, v in row["bytes"]["gradsync-sharded"]["by_op"].items()
+                        if k.startswith("reduce_scatter") and k.endswith("gradients"))
+        assert row["grad_bytes"] <= scattered < row["grad_bytes"] + 1024
+    # One traced synced backward per window (2 windows), each bucket launched and finished.
+    assert len(row["trace"]) == 2
+    for it in row["trace"]:
+        assert sum(b["bytes"] for b in it["buckets"]) == row["grad_bytes"]
+        assert all(b["launch"] <= b["done"] for b in it["buckets"])
+    assert row["profile"]["hook"]["calls"] == 3 * len(list(bench.quick_plan(bench.parse_args(["--quick"]))
+                                                           .models[0].build().parameters()))
+    assert record["sweep"][0]["params"] > 10_000
+    assert [r["cap"] for r in record["buckets"]] == [0.05, 1] and record["buckets"][0]["buckets"] >= 1
+    assert set(record["overhead"]["median_s"]) >= {"plain module", "gradsync synced", "torch no_sync"}
+
+
+def test_peak_memory_probe_sees_a_known_allocation():
+    bench_measure._mmap_large_allocations()
+    before = bench_measure._status_kib("VmRSS")
+    big = torch.ones(16 * 2**20)  # 64 MiB, touched
+    del big
+    bench_measure._reset_peak()
+    assert bench_measure._status_kib("VmHWM") < before + 16 * 1024  # the freed tensor left the RSS
+    t = torch.ones(8 * 2**20)  # 32 MiB
+    del t
+    grown = (bench_measure._status_kib("VmHWM") - before) / 1024
+    assert 28 <= grown <= 40, grown
+
+
+def test_overlap_counts_only_communication_before_the_last_gradient():
+    trace = [{"backward_start": 0.0, "backward_end": 10.0, "buckets": [
+        {"index": 0, "bytes": 4, "ready": 1.0, "launch": 1.0, "done": 5.0},   # 3 of 4 hidden
+        {"index": 1, "bytes": 4, "ready": 4.0, "launch": 4.5, "done": 8.0}]}]  # overlaps bucket 0
+    o = bench_report.overlap(trace)
+    assert o["comm_s"] == pytest.approx(7.0)          # union of [1, 5] and [4.5, 8]
+    assert o["share"] == pytest.approx(3.0 / 7.0)     # [1, 4] is before the last ready at 4.0
+    assert o["exposed_s"] == pytest.approx(4.0)
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--world", "1"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--models", "cnn"])
+    with pytest.raises(ValueError, match="accumulation"):
+        bench.quick_plan(bench.parse_args(["--quick", "--accum", "0"]))
