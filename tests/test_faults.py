@@ -1,5 +1,6 @@
 """Dead, stuck and diverging ranks: the survivors get a clear gradsync error within the bound."""
 import os
+import re
 import signal
 import time
 
@@ -106,7 +107,9 @@ def test_rank_killed_mid_backward(where):
     survivor, dead = faults(killed, where)
     assert isinstance(dead, RankError) and ("died" in str(dead) or "without a result" in str(dead))
     kind, message, seconds = survivor
-    assert kind == "SyncError" and "rank 0 waited for bucket" in message, message
+    # small buckets may all finish before the peer dies; then the end-of-backward check notices
+    assert kind == "SyncError", message
+    assert re.search(r"rank 0 waited for (bucket \d+|the end-of-backward check)", message), message
     assert "another rank died" in message
     assert seconds < TIMEOUT + SLACK
     print(f"\n[measured] killed in {where}: {seconds:.2f}s")
