@@ -3,7 +3,7 @@ from .accumulate import GradientAccumulator
 from .chunked import Chunked
 from .comm import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
 from .ddp import DDP, DistributedDataParallel
-from .reducer import SyncError
+from .control import SyncError
 from .sharded import ShardedDataParallel
 from .sharded_optim import ShardedOptimizer
 

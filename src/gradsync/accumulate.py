@@ -4,7 +4,7 @@ Two facts are kept apart on purpose: whether a micro-step *communicates* (``sync
 whether it *closes a window* so the optimizer and scheduler step (``is_boundary``). The model's
 sync switch (``require_backward_grad_sync``) is read when backward runs, so ``accumulate()`` sets
 it for the whole micro-step. The accumulator only needs that switch, ``scale_grads_(factor)``,
-``process_group``, ``world_size`` and ``reducer._wait`` from a model, so any gradsync wrapper (and
+``process_group``, ``world_size`` and ``reducer.wait`` from a model, so any gradsync wrapper (and
 torch's own DistributedDataParallel, or a plain module on one process) works.
 """
 from __future__ import annotations
@@ -163,7 +163,7 @@ class GradientAccumulator:
             torch._foreach_mul_(grads, factor)
 
     def _wait(self, work: Any) -> None:
-        wait = getattr(getattr(self.model, "reducer", None), "_wait", None)
+        wait = getattr(getattr(self.model, "reducer", None), "wait", None)
         if callable(wait):
             wait(work, "the all-reduce of the window's item count")
         else:

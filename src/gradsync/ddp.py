@@ -13,7 +13,8 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import CommHook
-from .reducer import Reducer, SyncError, bounded_wait
+from .control import SyncError, bounded_wait
+from .reducer import Reducer
 
 
 # id -> parameter, for parameters owned by a live gradsync wrapper (a WeakSet would compare tensors)
@@ -171,7 +172,7 @@ class DistributedDataParallel(nn.Module):
         _WRAPPED.update((id(p), p) for p in params)
 
     def _wait(self, work: dist.Work) -> None:
-        self.reducer._wait(work, "a broadcast of parameters or buffers")
+        self.reducer.wait(work, "a broadcast of parameters or buffers")
 
     def _broadcast(self, tensors: list[torch.Tensor], src_rank: int = 0) -> None:
         broadcast_coalesced(tensors, self.process_group, self._wait, src_rank)

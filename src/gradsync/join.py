@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 from .comm import GradBucket
-from .reducer import Reducer, SyncError
+from .control import SyncError
+from .reducer import Reducer
 
 
 class Join:
@@ -87,7 +88,7 @@ class Join:
         if active:
             flags[rank] = 1
             flags[w] = int(will_sync)
-        ddp.reducer._wait(dist.all_reduce(flags, group=ddp.process_group, async_op=True),
+        ddp.reducer.wait(dist.all_reduce(flags, group=ddp.process_group, async_op=True),
                           "the join handshake")
         values = flags.tolist()
         ranks = [r for r in range(w) if values[r] == 1]
@@ -122,8 +123,8 @@ def shadow_backward(reducer: Reducer) -> None:
     control = torch.zeros(2 * reducer.world_size + len(reducer.params) + 1, dtype=torch.int32)
     control_work = dist.all_reduce(control, group=group, async_op=True)
     for b, work in zip(reducer.buckets, works):
-        reducer._wait(work, f"bucket {b.index} (shadowed by a joined rank)")
-    reducer._wait(control_work, "the end-of-backward check (shadowed by a joined rank)")
+        reducer.wait(work, f"bucket {b.index} (shadowed by a joined rank)")
+    reducer.wait(control_work, "the end-of-backward check (shadowed by a joined rank)")
     if int(control[-1]) != len(reducer.active_ranks or ()):
         raise SyncError(
             f"gradsync: joined rank {reducer.rank} shadowed a synced backward, but the active ranks "

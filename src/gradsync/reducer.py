@@ -7,13 +7,8 @@ every rank, so collectives pair up across ranks even when hooks fire in differen
 end of backward is caught with the autograd engine's queued callback, where the reducer waits
 (bounded) for every bucket and writes the averages back into ``.grad``.
 
-Each synced backward ends with one small control all-reduce carrying every rank's backward and
-forward counters, a per-parameter "used" count and a "present" count. It lets every rank (a)
-notice that ranks disagree about which backward syncs or that a rank skipped a backward, (b)
-name parameters some rank produced no gradient for, (c) find parameters unused on every rank,
-and (d) notice a control that paired with some other collective (the present count is wrong),
-all without an extra round trip in the hot path. gloo never pairs a broadcast with an
-all-reduce, so a rank whose sequence of collectives diverged waits until ``timeout`` instead.
+Each synced backward ends with the control all-reduce of ``control.py``, which lets every rank
+detect diverging ranks and missing or unused gradients without an extra round trip.
 """
 from __future__ import annotations
 
@@ -28,10 +23,9 @@ import torch.distributed as dist
 
 from .buckets import plan_buckets
 from .comm import CommHook, GradBucket
+from .control import (SyncError, bounded_wait, check_agreement, check_finite, check_grad, check_missing,
+                      control_tensor, used_counts)
 
-
-class SyncError(RuntimeError):
-    """Ranks disagreed, a rank failed, or a collective did not finish within the timeout."""
 
 
 @dataclass
@@ -252,7 +246,7 @@ class Reducer:
         elif self.gradient_as_bucket_view:
             self._adopt_view(i)
         else:
-            _check_grad(grad, view, self.names[i])
+            check_grad(grad, view, self.names[i])
             if self.comm_hook is None:  # average while copying: saves a pass over the bucket (_launch)
                 torch.div(grad, self.world_size, out=view)
             else:
@@ -263,7 +257,7 @@ class Reducer:
         p, view = self.params[i], self._views[i]
         grad = p.grad
         if grad is not None and not _is_view_of(grad, view):
-            _check_grad(grad, view, self.names[i])
+            check_grad(grad, view, self.names[i])
             view.copy_(grad)
             p.grad = view
 
@@ -322,15 +316,17 @@ class Reducer:
 
         tracks_unused = self.find_unused_parameters or self.static_graph
         used = self._window_used if tracks_unused else self._ready_in_hooks(missing)
-        control = self._control(used)
+        control = control_tensor(self.rank, self.world_size, self.backward_count, self.forward_count, used)
         control_work = dist.all_reduce(control, group=self.group, async_op=True)
 
         results = [self._wait_bucket(b) for b in self.buckets]
-        self._wait(control_work, "the end-of-backward check")
-        self._check_agreement(control)
-        counts = control[self.world_size:self.world_size + n].tolist()
+        self.wait(control_work, "the end-of-backward check")
+        active = self.active_ranks if self.active_ranks is not None else range(self.world_size)
+        check_agreement(control, rank=self.rank, world_size=self.world_size, n=n, active=list(active),
+                        sync_count=self.sync_count)
+        counts = used_counts(control, self.world_size, n)
         if self.check_finite:
-            self._check_finite(results)
+            check_finite(results, [b.members for b in self.buckets], self.params, self.names)
         if graph_changed:
             names = ", ".join(self.names[i] for i in missing)
             raise RuntimeError(
@@ -339,7 +335,7 @@ class Reducer:
                 "model with static_graph=False (and find_unused_parameters=True if needed)."
             )
         if not tracks_unused:
-            self._check_missing(counts)
+            check_missing(counts, self.names, len(active))
 
         for bucket, result in zip(self.buckets, results):
             self._write_back(bucket, result, counts)
@@ -358,7 +354,7 @@ class Reducer:
 
     def _wait_bucket(self, bucket: Bucket) -> torch.Tensor:
         handle = bucket.handle
-        self._wait(handle, f"bucket {bucket.index}")
+        self.wait(handle, f"bucket {bucket.index}")
         if not isinstance(handle, torch._C.Future):
             return bucket.buffer
         result = handle.value()
@@ -379,7 +375,7 @@ class Reducer:
             )
         return result
 
-    def _wait(self, handle: Any, what: str) -> None:
+    def wait(self, handle: Any, what: str) -> None:
         """Wait for a Work or Future, bounded by ``self.timeout``, with a useful error."""
         try:
             bounded_wait(handle, self.timeout)
@@ -390,66 +386,6 @@ class Reducer:
                 f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died, raised, "
                 "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync."
             ) from exc
-
-    def _control(self, used: list[bool]) -> torch.Tensor:
-        """Layout: [backward counter per rank | used count per param | forward counter per rank | present]."""
-        w, n = self.world_size, len(self.params)
-        control = torch.zeros(2 * w + n + 1, dtype=torch.int32)
-        control[self.rank] = self.backward_count
-        control[w:w + n] = torch.tensor(used, dtype=torch.int32)
-        control[w + n + self.rank] = self.forward_count
-        control[-1] = 1
-        return control
-
-    def _check_agreement(self, control: torch.Tensor) -> None:
-        w, n = self.world_size, len(self.params)
-        active = self.active_ranks if self.active_ranks is not None else list(range(w))
-        backward = control[:w].tolist()
-        forward = control[w + n:2 * w + n].tolist()
-        idle = [r for r in range(w) if r not in active]
-        if (int(control[-1]) != len(active) or any(backward[r] <= 0 for r in active)
-                or any(backward[r] or forward[r] for r in idle)):
-            raise SyncError(
-                f"gradsync: rank {self.rank}'s end-of-backward check of synced backward "
-                f"{self.sync_count} paired with a different collective on another rank: the ranks ran "
-                "different sequences of collectives (a rank skipped a backward or a forward, ran a "
-                "different number of micro-steps, or disagreed about no_sync). No gradients were "
-                "applied; the process group is out of step, restart the job from a checkpoint."
-            )
-        if len({backward[r] for r in active}) > 1 or len({forward[r] for r in active}) > 1:
-            detail = ", ".join(f"rank {r}: forward {forward[r]}, backward {backward[r]}" for r in active)
-            raise SyncError(
-                f"gradsync: ranks disagree about which backward synchronizes gradients ({detail}). "
-                "A rank skipped a backward (a forward without backward counts as skipped), ran a "
-                "different number of micro-steps in an accumulation window, or entered no_sync() "
-                "when another did not. No gradients were applied."
-            )
-
-    def _check_finite(self, results: list[torch.Tensor]) -> None:
-        flags = torch.stack([torch.isfinite(r).all() for r in results])  # one check per bucket
-        if bool(flags.all()):
-            return
-        bad = [self.names[i] for b, r in zip(self.buckets, results) for i, v in
-               zip(b.members, r.reshape(-1).split([self.params[i].numel() for i in b.members]))
-               if not bool(torch.isfinite(v).all())]
-        raise FloatingPointError(
-            f"gradsync: the synchronized gradient of {len(bad)} parameter(s) contains NaN or inf: "
-            f"{', '.join(bad[:20])}{' ...' if len(bad) > 20 else ''} (on at least one rank the local "
-            "gradient was not finite). The gradients were not written back; skip this step "
-            "(optimizer.zero_grad()) or lower the learning rate / use loss scaling."
-        )
-
-    def _check_missing(self, counts: list[int]) -> None:
-        expected = self.world_size if self.active_ranks is None else len(self.active_ranks)
-        absent = [self.names[i] for i, c in enumerate(counts) if c < expected]
-        if absent:
-            shown = ", ".join(absent[:20]) + (f" and {len(absent) - 20} more" if len(absent) > 20 else "")
-            raise RuntimeError(
-                f"gradsync: {len(absent)} parameter(s) received no gradient in this backward on at least "
-                f"one rank: {shown}. If some parameters are not used in every iteration, construct "
-                "DistributedDataParallel with find_unused_parameters=True. The gradients were not "
-                "synchronized; do not step the optimizer on them."
-            )
 
     def _write_back(self, bucket: Bucket, result: torch.Tensor, counts: list[int]) -> None:
         if result is not bucket.buffer:
@@ -487,7 +423,7 @@ class Reducer:
         seen = set(order)
         order = list(dict.fromkeys(order)) + [i for i in reversed(range(len(self.params))) if i not in seen]
         shared = torch.tensor(order, dtype=torch.int64)
-        self._wait(dist.broadcast(shared, src=dist.get_global_rank(self.group, 0), group=self.group,
+        self.wait(dist.broadcast(shared, src=dist.get_global_rank(self.group, 0), group=self.group,
                                   async_op=True), "the bucket rebuild")
         plan = plan_buckets(self.params, self.bucket_cap_mb, self.first_bucket_cap_mb, shared.tolist())
         if plan != self.bucket_plan():
@@ -502,31 +438,6 @@ class Reducer:
         for h in self._handles:
             h.remove()
         self._handles = []
-
-
-def _check_grad(grad: torch.Tensor, view: torch.Tensor, name: str) -> None:
-    if grad.layout != torch.strided:
-        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.layout} gradient; only dense "
-                           "gradients are supported (e.g. nn.Embedding(sparse=False))")
-    if grad.dtype != view.dtype:
-        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.dtype} gradient, but it and its "
-                           f"bucket are {view.dtype}; assign gradients of the parameter's dtype")
-    if grad.shape != view.shape:
-        raise RuntimeError(f"gradsync: parameter '{name}' has a gradient of shape {tuple(grad.shape)}, "
-                           f"expected {tuple(view.shape)}")
-
-
-def bounded_wait(handle: Any, timeout: timedelta) -> None:
-    """Wait for a ``dist.Work`` or a future; raise its error, or TimeoutError after ``timeout``."""
-    if isinstance(handle, torch._C.Future):
-        deadline = time.monotonic() + timeout.total_seconds()
-        while not handle.done():
-            if time.monotonic() > deadline:
-                raise TimeoutError("operation timed out")
-            time.sleep(0.0002)
-        handle.wait()  # re-raises an error the future holds
-    else:
-        handle.wait(timeout)
 
 
 def _tensors(obj: Any):

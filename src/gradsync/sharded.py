@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from .ddp import DistributedDataParallel
-from .reducer import Bucket, Reducer, _check_grad
+from .control import check_grad
+from .reducer import Bucket, Reducer
 
 # torch 2.13 renamed the *_tensor collectives; older releases (>= 2.4) only have the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -136,7 +137,7 @@ class ShardedReducer(Reducer):
         if grad is None:
             view.zero_()
         else:
-            _check_grad(grad, view, self.names[i])
+            check_grad(grad, view, self.names[i])
             view.copy_(grad)
             p.grad = None  # the full-size gradient is not kept: its bucket holds it until reduced
 
@@ -153,7 +154,7 @@ class ShardedReducer(Reducer):
 
     def _fold(self, bucket: ShardedBucket) -> None:
         """Wait for ``bucket``'s reduce-scatter, add it to the shard and free the staging buffers."""
-        self._wait(bucket.handle, f"bucket {bucket.index}")
+        self.wait(bucket.handle, f"bucket {bucket.index}")
         if self._iter_trace is not None:  # gloo's reduce-scatter has no future: time the wait's end
             bucket.times["done"] = time.perf_counter()
         bucket.grad_shard.add_(bucket.out)
@@ -276,7 +277,7 @@ class ShardedDataParallel(DistributedDataParallel):
             local = sum((s.double().abs().pow(norm_type).sum() for s in shards),
                         torch.zeros((), dtype=torch.float64, device=device))
             op = dist.ReduceOp.SUM
-        reducer._wait(dist.all_reduce(local, op=op, group=self.process_group, async_op=True),
+        reducer.wait(dist.all_reduce(local, op=op, group=self.process_group, async_op=True),
                       "the gradient-norm all-reduce")
         total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
         total = total.to(shards[0].dtype)

@@ -150,7 +150,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if reducer.world_size > 1:
                 works.append((b, _all_gather(b.flat_param, own, group=reducer.group, async_op=True)))
         for b, work in works:
-            reducer._wait(work, f"the parameter all-gather of bucket {b.index}")
+            reducer.wait(work, f"the parameter all-gather of bucket {b.index}")
         return loss
 
     # ---------------------------------------------------------------- checkpoints

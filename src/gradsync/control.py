@@ -1,0 +1,118 @@
+"""The end-of-backward control all-reduce, the checks it enables, and bounded waits.
+
+Every synced backward ends with one small int32 all-reduce launched after the last bucket:
+``[backward counter per rank | used count per parameter | forward counter per rank | present]``.
+Each rank writes only its own counter slots, so the sum is an all-gather of the counters; the
+used counts sum each rank's "this parameter produced a gradient" flag; ``present`` sums to the
+number of ranks that took part. That one collective lets every rank notice diverging ranks, name
+parameters that some rank produced no gradient for, and find parameters unused on every rank.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+
+class SyncError(RuntimeError):
+    """Ranks disagreed, a rank failed, or a collective did not finish within the timeout."""
+
+
+def bounded_wait(handle: Any, timeout: timedelta) -> None:
+    """Wait for a ``dist.Work`` or a future; raise its error, or TimeoutError after ``timeout``."""
+    if not isinstance(handle, torch._C.Future):
+        handle.wait(timeout)
+        return
+    if not handle.done():
+        done = threading.Event()
+        handle.add_done_callback(lambda _fut: done.set())
+        if not done.wait(timeout.total_seconds()):
+            raise TimeoutError("operation timed out")
+    handle.wait()  # re-raises an error the future holds
+
+
+def control_tensor(rank: int, world_size: int, backward_count: int, forward_count: int,
+                   used: Sequence[bool]) -> torch.Tensor:
+    w, n = world_size, len(used)
+    control = torch.zeros(2 * w + n + 1, dtype=torch.int32)
+    control[rank] = backward_count
+    control[w:w + n] = torch.tensor(used, dtype=torch.int32)
+    control[w + n + rank] = forward_count
+    control[-1] = 1
+    return control
+
+
+def used_counts(control: torch.Tensor, world_size: int, n: int) -> list[int]:
+    """Return, per parameter, how many ranks produced a gradient for it."""
+    return control[world_size:world_size + n].tolist()
+
+
+def check_agreement(control: torch.Tensor, *, rank: int, world_size: int, n: int,
+                    active: Sequence[int], sync_count: int) -> None:
+    """Raise on every rank if the reduced control shows ranks out of step."""
+    w = world_size
+    backward = control[:w].tolist()
+    forward = control[w + n:2 * w + n].tolist()
+    idle = [r for r in range(w) if r not in active]
+    if (int(control[-1]) != len(active) or any(backward[r] <= 0 for r in active)
+            or any(backward[r] or forward[r] for r in idle)):
+        raise SyncError(
+            f"gradsync: rank {rank}'s end-of-backward check of synced backward {sync_count} paired "
+            "with a different collective on another rank: the ranks ran different sequences of "
+            "collectives (a rank skipped a backward or a forward, ran a different number of "
+            "micro-steps, or disagreed about no_sync). No gradients were applied; the process group "
+            "is out of step, restart the job from a checkpoint."
+        )
+    if len({backward[r] for r in active}) > 1 or len({forward[r] for r in active}) > 1:
+        detail = ", ".join(f"rank {r}: forward {forward[r]}, backward {backward[r]}" for r in active)
+        raise SyncError(
+            f"gradsync: ranks disagree about which backward synchronizes gradients ({detail}). "
+            "A rank skipped a backward (a forward without backward counts as skipped), ran a "
+            "different number of micro-steps in an accumulation window, or entered no_sync() "
+            "when another did not. No gradients were applied."
+        )
+
+
+def check_missing(counts: Sequence[int], names: Sequence[str], expected: int) -> None:
+    """Raise if some rank produced no gradient for a parameter (without find_unused_parameters)."""
+    absent = [names[i] for i, c in enumerate(counts) if c < expected]
+    if absent:
+        shown = ", ".join(absent[:20]) + (f" and {len(absent) - 20} more" if len(absent) > 20 else "")
+        raise RuntimeError(
+            f"gradsync: {len(absent)} parameter(s) received no gradient in this backward on at least "
+            f"one rank: {shown}. If some parameters are not used in every iteration, construct "
+            "DistributedDataParallel with find_unused_parameters=True. The gradients were not "
+            "synchronized; do not step the optimizer on them."
+        )
+
+
+def check_finite(results: Sequence[torch.Tensor], members: Sequence[Sequence[int]],
+                 params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Raise naming the parameters whose reduced gradient holds NaN or inf (one check per bucket)."""
+    if bool(torch.stack([torch.isfinite(r).all() for r in results]).all()):
+        return
+    bad = [names[i] for result, idx in zip(results, members)
+           for i, part in zip(idx, result.reshape(-1).split([params[i].numel() for i in idx]))
+           if not bool(torch.isfinite(part).all())]
+    raise FloatingPointError(
+        f"gradsync: the synchronized gradient of {len(bad)} parameter(s) contains NaN or inf: "
+        f"{', '.join(bad[:20])}{' ...' if len(bad) > 20 else ''} (on at least one rank the local "
+        "gradient was not finite). The gradients were not written back; skip this step "
+        "(optimizer.zero_grad()) or lower the learning rate / use loss scaling."
+    )
+
+
+def check_grad(grad: torch.Tensor, view: torch.Tensor, name: str) -> None:
+    """Raise unless ``grad`` can be copied into its bucket slot ``view`` without conversion."""
+    if grad.layout != torch.strided:
+        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.layout} gradient; only dense "
+                           "gradients are supported (e.g. nn.Embedding(sparse=False))")
+    if grad.dtype != view.dtype:
+        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.dtype} gradient, but it and its "
+                           f"bucket are {view.dtype}; assign gradients of the parameter's dtype")
+    if grad.shape != view.shape:
+        raise RuntimeError(f"gradsync: parameter '{name}' has a gradient of shape {tuple(grad.shape)}, "
+                           f"expected {tuple(view.shape)}")
