@@ -4,6 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import gradsync
+
 
 def mlp(seed: int = 0, width: int = 32, depth: int = 3, dtype=torch.float32) -> nn.Module:
     torch.manual_seed(seed)
@@ -43,3 +45,30 @@ def assert_close_dicts(a: dict, b: dict, atol: float = 1e-5, rtol: float = 1e-5)
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+
+
+class Branches(nn.Module):
+    """`a` always runs; `b` runs when asked; `never` never runs."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(8, 4)
+        self.b = nn.Linear(8, 4)
+        self.never = nn.Linear(8, 4)
+
+    def forward(self, x, use_b=True):
+        out = self.a(x)
+        return out + self.b(x) if use_b else out
+
+
+def count_collectives(model) -> list[int]:
+    """Record the index of every bucket the model reduces, via a hook around the default all-reduce."""
+    calls: list[int] = []
+
+    def hook(state, bucket):
+        calls.append(bucket.index())
+        return gradsync.allreduce_hook(None, bucket)
+
+    model.register_comm_hook(None, hook)
+    return calls

@@ -6,21 +6,9 @@ from torch import nn
 
 import gradsync
 from gradsync.launch import run_ranks
-from helpers import assert_close_dicts, batches, grads, mlp, params, shard
+from helpers import assert_close_dicts, batches, count_collectives, grads, mlp, params, shard
 
 CAPS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)  # several buckets on the small MLP
-
-
-def counting(model):
-    """Count bucket collectives per micro-step with a hook that calls the default all-reduce."""
-    calls = []
-
-    def hook(state, bucket):
-        calls.append(bucket.index())
-        return gradsync.allreduce_hook(None, bucket)
-
-    model.register_comm_hook(None, hook)
-    return calls
 
 
 def lr_lambda(window):
@@ -29,7 +17,7 @@ def lr_lambda(window):
 
 def train_windows(rank, world_size, sync_each_batch, form, micro, steps):
     model = gradsync.DDP(mlp(seed=rank), **CAPS)
-    calls = counting(model)
+    calls = count_collectives(model)
     acc = gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=sync_each_batch)
     raw = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     raw_sched = torch.optim.lr_scheduler.LambdaLR(raw, lr_lambda)
@@ -110,7 +98,7 @@ def item_counts(micro, world_size, rows, seed=3):
 
 def train_items(rank, world_size, sync_each_batch, micro, steps, rows):
     model = gradsync.DDP(mlp(seed=rank), **CAPS)
-    calls = counting(model)
+    calls = count_collectives(model)
     acc = gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=sync_each_batch)
     opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     counts = item_counts(micro, world_size, rows)
@@ -201,7 +189,7 @@ def test_ranks_with_different_amounts_of_data_fail_instead_of_stepping_apart():
 
 def train_split(rank, world_size, rows, n, windows):
     model = gradsync.DDP(mlp(seed=rank), **CAPS)
-    calls = counting(model)
+    calls = count_collectives(model)
     acc = gradsync.GradientAccumulator(model, steps=99)  # split() decides the window's length
     opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     loader = [(shard(x, rank, world_size), shard(y, rank, world_size))

@@ -9,7 +9,7 @@ from torch import nn
 
 import gradsync
 from gradsync.launch import RankError, run_ranks
-from helpers import assert_close_dicts, batches, grads, mlp, params, shard
+from helpers import assert_close_dicts, batches, count_collectives, grads, mlp, params, shard
 
 CAPS = {"tiny": dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005),
         "default": {}, "huge": dict(bucket_cap_mb=1000, first_bucket_cap_mb=1000)}
@@ -79,18 +79,6 @@ def against_torch_ddp(rank, world_size, steps):
 def test_matches_torch_ddp_in_the_same_process_group(world_size):
     for ours, theirs in run_ranks(against_torch_ddp, world_size, 5):
         assert_close_dicts(ours, theirs, atol=1e-6)
-
-
-def count_collectives(model):
-    """Count bucket collectives by wrapping the default all-reduce in a counting hook."""
-    calls = []
-
-    def hook(state, bucket):
-        calls.append(bucket.index())
-        return gradsync.allreduce_hook(None, bucket)
-
-    model.register_comm_hook(None, hook)
-    return calls
 
 
 def accumulate(rank, world_size, form, micro_steps):

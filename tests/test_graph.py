@@ -7,7 +7,7 @@ from torch import nn
 
 import gradsync
 from gradsync.launch import run_ranks
-from helpers import assert_close_dicts, batches, grads, mlp, params, shard
+from helpers import Branches, assert_close_dicts, batches, grads, mlp, params, shard
 
 
 def train_views(rank, world_size, set_to_none, replace_grad):
@@ -47,21 +47,6 @@ def test_gradient_as_bucket_view_is_exact_and_stays_a_view(set_to_none, replace_
             assert_close_dicts(got, want)
         assert all(is_view)
         assert_close_dicts(final, params(ref))
-
-
-class Branches(nn.Module):
-    """`a` always runs; `b` runs when asked; `never` never runs."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(8, 4)
-        self.b = nn.Linear(8, 4)
-        self.never = nn.Linear(8, 4)
-
-    def forward(self, x, use_b=True):
-        out = self.a(x)
-        return out + self.b(x) if use_b else out
 
 
 def unused(rank, world_size, pattern):
@@ -200,19 +185,8 @@ def test_reentrant_checkpointing_without_static_graph_raises_ready_twice():
         run_ranks(static, 2, False, timeout=30, pg_timeout=5)
 
 
-class Switch(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(8, 4)
-        self.b = nn.Linear(8, 4)
-
-    def forward(self, x, use_b):
-        return self.a(x) + (self.b(x) if use_b else 0)
-
-
 def static_changes(rank, world_size):
-    model = gradsync.DDP(Switch(), static_graph=True)
+    model = gradsync.DDP(Branches(), static_graph=True)
     for step, (x, y) in enumerate(batches(3, world_size)):
         loss = F.mse_loss(model(shard(x, rank, world_size), use_b=step < 2), shard(y, rank, world_size))
         if step < 2:
