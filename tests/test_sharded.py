@@ -291,3 +291,14 @@ def test_failed_sync_blocks_the_step():
     for stepped, unchanged in run_ranks(diverging, 2, timeout=30, pg_timeout=5):
         assert stepped is not None and ("incomplete" in stepped or "no_sync" in stepped), stepped
         assert unchanged
+
+
+def sharded_join(rank, world_size):
+    model = gradsync.ShardedDataParallel(mlp(seed=0))
+    with pytest.raises(NotImplementedError, match="does not support join"):
+        with model.join():
+            pass
+
+
+def test_join_on_a_sharded_model_raises_clearly():
+    run_ranks(sharded_join, 2)

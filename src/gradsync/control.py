@@ -34,10 +34,15 @@ def bounded_wait(handle: Any, timeout: timedelta) -> None:
     handle.wait()  # re-raises an error the future holds
 
 
+def empty_control(world_size: int, n: int) -> torch.Tensor:
+    """Return a zero control: the contribution of a rank that takes no part (e.g. a joined one)."""
+    return torch.zeros(2 * world_size + n + 1, dtype=torch.int32)
+
+
 def control_tensor(rank: int, world_size: int, backward_count: int, forward_count: int,
                    used: Sequence[bool]) -> torch.Tensor:
     w, n = world_size, len(used)
-    control = torch.zeros(2 * w + n + 1, dtype=torch.int32)
+    control = empty_control(w, n)
     control[rank] = backward_count
     control[w:w + n] = torch.tensor(used, dtype=torch.int32)
     control[w + n + rank] = forward_count

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import GradBucket
-from .control import SyncError
+from .control import SyncError, empty_control
 from .reducer import Reducer
 
 
@@ -120,7 +120,7 @@ def shadow_backward(reducer: Reducer) -> None:
             works.append(reducer.comm_hook(reducer.comm_state, GradBucket(
                 b.index, zeros, views, [reducer.params[i] for i in b.members],
                 b.index == len(reducer.buckets) - 1)))
-    control = torch.zeros(2 * reducer.world_size + len(reducer.params) + 1, dtype=torch.int32)
+    control = empty_control(reducer.world_size, len(reducer.params))
     control_work = dist.all_reduce(control, group=group, async_op=True)
     for b, work in zip(reducer.buckets, works):
         reducer.wait(work, f"bucket {b.index} (shadowed by a joined rank)")

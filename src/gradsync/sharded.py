@@ -237,6 +237,16 @@ class ShardedDataParallel(DistributedDataParallel):
             "gradsync.DistributedDataParallel to combine comm hooks with unsharded gradients."
         )
 
+    def join(self, enable: bool = True):
+        if enable and self.world_size > 1:
+            raise NotImplementedError(
+                "gradsync: ShardedDataParallel does not support join() yet (a joined rank would have "
+                "to shadow reduce-scatters and the optimizer's all-gathers). Give every rank the same "
+                "number of batches (e.g. DistributedSampler(drop_last=True)), or use "
+                "gradsync.DistributedDataParallel for uneven inputs."
+            )
+        return super().join(enable)
+
     def scale_grads_(self, factor: float) -> None:
         """Multiply every gradient (shards and pending local gradients) by ``factor``."""
         tensors = [b.grad_shard for b in self.reducer.buckets]
