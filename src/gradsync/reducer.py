@@ -27,7 +27,6 @@ from .control import (SyncError, bounded_wait, check_agreement, check_finite, ch
                       control_tensor, used_counts)
 
 
-
 @dataclass
 class Bucket:
     index: int
