@@ -34,20 +34,21 @@ def bounded_wait(handle: Any, timeout: timedelta) -> None:
     handle.wait()  # re-raises an error the future holds
 
 
-def empty_control(world_size: int, n: int) -> torch.Tensor:
+def empty_control(world_size: int, n: int, device: torch.device | None = None) -> torch.Tensor:
     """Return a zero control: the contribution of a rank that takes no part (e.g. a joined one)."""
-    return torch.zeros(2 * world_size + n + 1, dtype=torch.int32)
+    return torch.zeros(2 * world_size + n + 1, dtype=torch.int32, device=device)
 
 
 def control_tensor(rank: int, world_size: int, backward_count: int, forward_count: int,
-                   used: Sequence[bool]) -> torch.Tensor:
+                   used: Sequence[bool], device: torch.device | None = None) -> torch.Tensor:
+    """Build this rank's control on ``device`` (NCCL reduces only tensors on the rank's GPU)."""
     w, n = world_size, len(used)
     control = empty_control(w, n)
     control[rank] = backward_count
     control[w:w + n] = torch.tensor(used, dtype=torch.int32)
     control[w + n + rank] = forward_count
     control[-1] = 1
-    return control
+    return control.to(device) if device is not None else control
 
 
 def used_counts(control: torch.Tensor, world_size: int, n: int) -> list[int]:

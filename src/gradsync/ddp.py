@@ -45,12 +45,12 @@ def describe(module: nn.Module) -> list[tuple]:
 
 
 def verify_same_model(module: nn.Module, group: dist.ProcessGroup,
-                      timeout: timedelta | None = None) -> None:
+                      timeout: timedelta | None = None, device: torch.device | None = None) -> None:
     """Raise on every rank if any rank's parameters or buffers differ from rank 0's."""
     mine = describe(module)
     if timeout is not None:  # compare digests with a bounded collective; details only on a mismatch
         digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
-        digests = torch.zeros(dist.get_world_size(group), dtype=torch.int64)
+        digests = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
         digests[dist.get_rank(group)] = digest
         try:
             bounded_wait(dist.all_reduce(digests, group=group, async_op=True), timeout)
@@ -154,7 +154,7 @@ class DistributedDataParallel(nn.Module):
         self.timeout = resolve_timeout(timeout, self.process_group, trainable[0][1].device)
         self.world_size = dist.get_world_size(self.process_group)
 
-        verify_same_model(module, self.process_group, self.timeout)
+        verify_same_model(module, self.process_group, self.timeout, trainable[0][1].device)
         names = [n for n, _ in trainable]
         params = [p for _, p in trainable]
         self.reducer = self.reducer_class(

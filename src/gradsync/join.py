@@ -84,7 +84,7 @@ class Join:
     def _handshake(self, active: bool, will_sync: bool) -> tuple[list[int], bool]:
         ddp = self.ddp
         w, rank = ddp.world_size, ddp.reducer.rank
-        flags = torch.zeros(w + 1, dtype=torch.int64)
+        flags = torch.zeros(w + 1, dtype=torch.int64, device=ddp.reducer.device)
         if active:
             flags[rank] = 1
             flags[w] = int(will_sync)
@@ -120,7 +120,7 @@ def shadow_backward(reducer: Reducer) -> None:
             works.append(reducer.comm_hook(reducer.comm_state, GradBucket(
                 b.index, zeros, views, [reducer.params[i] for i in b.members],
                 b.index == len(reducer.buckets) - 1)))
-    control = empty_control(reducer.world_size, len(reducer.params))
+    control = empty_control(reducer.world_size, len(reducer.params), reducer.device)
     control_work = dist.all_reduce(control, group=group, async_op=True)
     for b, work in zip(reducer.buckets, works):
         reducer.wait(work, f"bucket {b.index} (shadowed by a joined rank)")

@@ -59,6 +59,7 @@ class Reducer:
     ):
         self.params = list(params)
         self.names = list(names)
+        self.device = self.params[0].device  # where small control tensors live: NCCL needs the GPU
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
@@ -315,11 +316,13 @@ class Reducer:
 
         tracks_unused = self.find_unused_parameters or self.static_graph
         used = self._window_used if tracks_unused else self._ready_in_hooks(missing)
-        control = control_tensor(self.rank, self.world_size, self.backward_count, self.forward_count, used)
+        control = control_tensor(self.rank, self.world_size, self.backward_count, self.forward_count, used,
+                                 self.device)
         control_work = dist.all_reduce(control, group=self.group, async_op=True)
 
         results = [self._wait_bucket(b) for b in self.buckets]
         self.wait(control_work, "the end-of-backward check")
+        control = control.cpu()  # read once: every check below indexes it
         active = self.active_ranks if self.active_ranks is not None else range(self.world_size)
         check_agreement(control, rank=self.rank, world_size=self.world_size, n=n, active=list(active),
                         sync_count=self.sync_count)
@@ -421,7 +424,7 @@ class Reducer:
             return  # the order changes from iteration to iteration; keep registration order
         seen = set(order)
         order = list(dict.fromkeys(order)) + [i for i in reversed(range(len(self.params))) if i not in seen]
-        shared = torch.tensor(order, dtype=torch.int64)
+        shared = torch.tensor(order, dtype=torch.int64, device=self.device)
         self.wait(dist.broadcast(shared, src=dist.get_global_rank(self.group, 0), group=self.group,
                                   async_op=True), "the bucket rebuild")
         plan = plan_buckets(self.params, self.bucket_cap_mb, self.first_bucket_cap_mb, shared.tolist())
