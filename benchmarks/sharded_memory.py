@@ -33,6 +33,7 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import gradsync  # noqa: E402
+from gradsync.bench_measure import reset_peak_rss, status_kib  # noqa: E402
 from gradsync.launch import run_ranks  # noqa: E402
 
 WIDTH, DEPTH = 2048, 12  # 12 x Linear(2048, 2048): 50.4M parameters
@@ -40,19 +41,6 @@ ACC, WARMUP, WINDOWS, ROWS = 4, 1, 3, 8
 BUCKET_MB = 25.0
 MiB = 1 << 20
 CONFIGS = ("(a) DDP, no_sync", "(b) sharded, no_sync", "(c) sharded, sync_each_batch")
-
-
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
 
 
 def build() -> nn.Module:
@@ -69,7 +57,7 @@ def nbytes(tensors) -> int:
 
 def run_config(rank: int, world_size: int, config: str) -> dict:
     gc.collect()
-    base = rss_kib("VmRSS")
+    base = status_kib("VmRSS")
     module = build()
     sharded = "sharded" in config
     each_batch = "each_batch" in config
@@ -102,7 +90,7 @@ def run_config(rank: int, world_size: int, config: str) -> dict:
         opt.step()
         opt.zero_grad()
         times.append(time.perf_counter() - start)
-    peak_rss = rss_kib("VmHWM") - base
+    peak_rss = status_kib("VmHWM") - base
     params = nbytes(module.parameters())
     if sharded:  # staging buckets (filling, or reduce-scattering) at their peak
         grad_peak += model.reducer.peak_staging_bytes

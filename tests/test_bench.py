@@ -48,14 +48,14 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
 
 def test_peak_memory_probe_sees_a_known_allocation():
     bench_measure._mmap_large_allocations()
-    before = bench_measure._status_kib("VmRSS")
+    before = bench_measure.status_kib("VmRSS")
     big = torch.ones(16 * 2**20)  # 64 MiB, touched
     del big
-    bench_measure._reset_peak()
-    assert bench_measure._status_kib("VmHWM") < before + 16 * 1024  # the freed tensor left the RSS
+    bench_measure.reset_peak_rss()
+    assert bench_measure.status_kib("VmHWM") < before + 16 * 1024  # the freed tensor left the RSS
     t = torch.ones(8 * 2**20)  # 32 MiB
     del t
-    grown = (bench_measure._status_kib("VmHWM") - before) / 1024
+    grown = (bench_measure.status_kib("VmHWM") - before) / 1024
     assert 28 <= grown <= 40, grown
 
 

@@ -220,7 +220,7 @@ def model_rank(rank, world, spec, names, accum, warmup, reps, cap, profile: bool
 
 
 # ---------------------------------------------------------------- memory
-def _status_kib(field: str) -> int:
+def status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(field + ":"):
@@ -228,7 +228,7 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def _reset_peak() -> None:
+def reset_peak_rss() -> None:
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM (the peak resident set) to the current RSS
 
@@ -250,14 +250,14 @@ def memory_rank(rank, world, spec, engine_name, view, set_to_none, warmup, steps
     dist.all_reduce(warm.weight.grad)
     del warm
     gc.collect()
-    base = _status_kib("VmRSS")
+    base = status_kib("VmRSS")
     engine = make_engines(spec, [engine_name], bucket_cap_mb=cap, view=view, set_to_none=set_to_none)[engine_name]
     for s in range(warmup):
         _window(engine, spec, rank, s, 1)
     dist.barrier()
-    _reset_peak()
+    reset_peak_rss()
     for s in range(steps):
         _window(engine, spec, rank, warmup + s, 1)
-    peak = _status_kib("VmHWM")
+    peak = status_kib("VmHWM")
     params = count_params(engine.model.module if hasattr(engine.model, "module") else engine.model)
     return {"peak_bytes": (peak - base) * 1024, "param_bytes": params * 4}
