@@ -29,6 +29,7 @@ from gradsync.demo import make_model, spirals
 def micro_batches(args) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """Global micro-batches (x, y, mask); mask marks real rows (all real without --num-items)."""
     x, y = spirals(args.micro * args.batch)
+    x = x.to(torch.float64)  # the demo model is float64
     g = torch.Generator().manual_seed(1)
     mask = torch.rand(len(y), generator=g) < 0.7 if args.num_items else torch.ones(len(y), dtype=torch.bool)
     return list(zip(x.split(args.batch), y.split(args.batch), mask.split(args.batch)))

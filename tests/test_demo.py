@@ -41,3 +41,21 @@ def test_accumulator_and_sharded_modes(flag, names, tmp_path, capfd):
             demo.parse_args([flag])
         err = capfd.readouterr().err
         assert "this gradsync has no" in err and names[-1] in err
+
+
+def load_example(name):
+    """Import examples/<name>.py as a module (the examples are scripts, not a package)."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"example_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags", [[], ["--num-items", "--sync-each-batch", "--chunks", "4"]])
+def test_accumulation_example_matches_one_process(flags, capfd):
+    load_example("accumulate").main(["--micro", "10", "--accum", "4", "--batch", "16"] + flags)
+    out = capfd.readouterr().out
+    assert "3 optimizer steps (expected 3)" in out and "check passed" in out
