@@ -130,7 +130,7 @@ def comm_rank(rank: int, world_size: int, steps: int, windows: int, rows: int) -
     x_all, y_all = spirals(steps * windows * rows * world_size)
     out = {}
     for name, (kind, each, items, chunked) in MODES.items():
-        module = make_model()
+        module = make_model().float()  # the recorded byte counts are for float32 gradients
         if chunked:
             module[2] = gradsync.Chunked(module[2], 4)
         if kind == "gradsync":
