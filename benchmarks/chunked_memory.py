@@ -213,10 +213,10 @@ def write(memory: list[dict], comm: dict, config: dict) -> None:
     (RESULTS / "chunked_memory.md").write_text("\n".join(lines) + "\n")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes, results not written (a smoke run)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     torch.set_num_threads(1)
     config = (dict(rows=256, d=64, hidden=512, reps=2, steps=4, windows=3, micro_rows=16) if args.quick
               else dict(rows=4096, d=512, hidden=2048, reps=5, steps=4, windows=12, micro_rows=64))

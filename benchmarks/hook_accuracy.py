@@ -1,12 +1,13 @@
 """Measure what gradient compression costs in accuracy: fp16 and bf16 hooks against exact fp32.
 
-    python benchmarks/hook_accuracy.py          # writes benchmarks/results/hook-accuracy-<machine>-<date>.md
+    PYTHONPATH=src python benchmarks/hook_accuracy.py   # writes results/hook-accuracy-<machine>-<date>.md
 
 Two local gloo ranks train the same MLP from the same start for STEPS steps, once per hook, on the
 same data; we report the relative error of the first step's reduced gradient and the final loss.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import platform
 import sys
@@ -31,14 +32,14 @@ def data(world_size: int, steps: int):
     return xs, torch.tanh(xs @ teacher)
 
 
-def train(rank: int, world_size: int, hook_name: str):
+def train(rank: int, world_size: int, hook_name: str, steps: int):
     torch.manual_seed(0)
     model = gradsync.DDP(nn.Sequential(nn.Linear(64, 512), nn.GELU(), nn.Linear(512, 512), nn.GELU(),
                                        nn.Linear(512, 8)))
     if HOOKS[hook_name] is not None:
         model.register_comm_hook(None, HOOKS[hook_name])
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-    xs, ys = data(world_size, STEPS)
+    xs, ys = data(world_size, steps)
     first_grad, losses = None, []
     for x, y in zip(xs, ys):
         x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
@@ -49,11 +50,15 @@ def train(rank: int, world_size: int, hook_name: str):
             first_grad = torch.cat([p.grad.flatten() for p in model.parameters()])
         losses.append(loss.item())
         opt.step()
-    return first_grad, sum(losses[-20:]) / 20
+    return first_grad, sum(losses[-20:]) / len(losses[-20:])
 
 
-def main() -> None:
-    runs = {name: run_ranks(train, 2, name, timeout=600)[0] for name in HOOKS}
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = p.parse_args(argv)
+    runs = {name: run_ranks(train, 2, name, args.steps, timeout=600)[0] for name in HOOKS}
     exact, exact_loss = runs["none (fp32 all-reduce)"]
     rows = []
     for name, (grad, loss) in runs.items():
@@ -61,10 +66,10 @@ def main() -> None:
         rows.append(f"| {name} | {rel:.2e} | {(grad - exact).abs().max().item():.2e} | {loss:.5f} | "
                     f"{loss / exact_loss:.4f} |")
     today = datetime.date.today().isoformat()
-    out = Path(__file__).parent / "results" / f"hook-accuracy-{platform.node() or 'machine'}-{today}.md"
+    out = args.out / f"hook-accuracy-{platform.node() or 'machine'}-{today}.md"
     out.write_text(
         f"# Accuracy cost of compression hooks ({today}, {platform.machine()}, torch {torch.__version__})\n\n"
-        f"2 gloo ranks, MLP 64-512-512-8 (300k parameters), Adam lr 1e-3, {STEPS} steps, batch 32 per rank.\n"
+        f"2 gloo ranks, MLP 64-512-512-8 (300k parameters), Adam lr 1e-3, {args.steps} steps, batch 32 per rank.\n"
         "Gradient error: first step's reduced gradient against the fp32 all-reduce. Loss: mean of the last 20 steps.\n\n"
         "| hook | relative gradient error | max abs gradient error | final loss | loss / fp32 loss |\n"
         "|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
