@@ -1,6 +1,7 @@
 """Memory, time and traffic of sharded gradients against DDP, with gradient accumulation.
 
-    python benchmarks/sharded_memory.py      # writes benchmarks/results/sharded-memory-<machine>-<date>.md
+    python benchmarks/sharded_memory.py           # writes benchmarks/results/sharded-memory-<machine>-<date>.md
+    python benchmarks/sharded_memory.py --quick   # a tiny model, prints the table, writes nothing
 
 For W = 2 and 4 local gloo ranks, a 50M-parameter MLP trains with AdamW and ACC micro-steps per
 window in three ways: (a) gradsync.DDP with no_sync, (b) ShardedDataParallel with no_sync (one
@@ -19,6 +20,7 @@ if "MALLOC_MMAP_THRESHOLD_" not in os.environ:  # must be set before the C libra
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(1 << 20)
     os.execv(sys.executable, [sys.executable, *sys.argv])
 
+import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import datetime  # noqa: E402
 import gc  # noqa: E402
@@ -112,7 +114,13 @@ def bench(rank: int, world_size: int) -> dict:
     return {config: run_config(rank, world_size, config) for config in CONFIGS}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    global WIDTH, DEPTH, WARMUP, WINDOWS
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a tiny model; print the table, write nothing")
+    quick = p.parse_args(argv).quick
+    if quick:  # the ranks are forked after this, so they see the small sizes
+        WIDTH, DEPTH, WARMUP, WINDOWS = 64, 2, 0, 1
     rows = []
     for world_size in (2, 4):
         per_rank = run_ranks(bench, world_size, timeout=900, pg_timeout=300)
@@ -131,6 +139,8 @@ def main() -> None:
                         f"{ratios[0]} | {ratios[1]} | {r['time']:.2f} | "
                         f"{r['payload'] / MiB:.0f} | {r['traffic'] / MiB:.0f} |")
         print("\n".join(rows[-3:]), flush=True)
+    if quick:
+        return
     today = datetime.date.today().isoformat()
     nparams = sum(p.numel() for p in build().parameters())
     out = Path(__file__).parent / "results" / f"sharded-memory-{platform.node() or 'machine'}-{today}.md"

@@ -27,3 +27,16 @@ def test_hook_accuracy_writes_a_table(tmp_path):
     for name in ("fp16_compress_hook", "bf16_compress_hook"):
         error = float(rows[name].split("|")[2])
         assert 0 < error < 1e-2, (name, error)  # compression costs a little precision, not more
+
+
+def test_sharded_memory_quick_run():
+    # a subprocess: the script re-executes itself to set glibc's mmap threshold before start-up
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_memory.py"), "--quick"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
+    assert len(table) == 6 and all("(c) sharded, sync_each_batch" in table[i] for i in (2, 5))
