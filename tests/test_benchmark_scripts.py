@@ -1,5 +1,8 @@
 """The stand-alone benchmark scripts still run (tiny sizes; nothing timed, nothing asserted on speed)."""
 import importlib.util
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -31,9 +34,6 @@ def test_hook_accuracy_writes_a_table(tmp_path):
 
 def test_sharded_memory_quick_run():
     # a subprocess: the script re-executes itself to set glibc's mmap threshold before start-up
-    import os
-    import subprocess
-    import sys
     env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
     done = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_memory.py"), "--quick"], env=env,
                           capture_output=True, text=True, timeout=120)
