@@ -239,3 +239,32 @@ def needs_init(rank, world_size):
 
 def test_wrapping_without_a_process_group_raises():
     run_ranks(needs_init, 1)
+
+
+def train_with_local_eval(rank, world_size, evaluate):
+    torch.manual_seed(0)
+    model = gradsync.DDP(Normed(), timeout=5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=g) * (rank + 1)
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if evaluate and rank == 0:  # rank-local evaluation: must not need the other rank
+            model.eval()
+            with torch.no_grad():
+                model(torch.ones(4, 8))
+            model(torch.ones(4, 8))  # eval mode, gradients on, no backward: harmless too
+            model.train()
+    return params(model.module), {n: b.clone() for n, b in model.module.named_buffers()}
+
+
+def test_rank_local_evaluation_needs_no_collective_and_changes_nothing():
+    with_eval = run_ranks(train_with_local_eval, 2, True, timeout=30)
+    without = run_ranks(train_with_local_eval, 2, False, timeout=30)
+    for (p_eval, b_eval), (p_plain, b_plain) in zip(with_eval, without):
+        for name in p_plain:
+            assert torch.equal(p_eval[name], p_plain[name]), name
+        for name in b_plain:  # eval-mode forwards do not update running statistics either
+            assert torch.equal(b_eval[name], b_plain[name]), name

@@ -182,14 +182,20 @@ class DistributedDataParallel(nn.Module):
         self._check_parameters_unchanged()
         self._check_group()
         src = self._join.before_forward() if self._join is not None else 0
-        if self.broadcast_buffers and self.world_size > 1:
+        if self._will_broadcast_buffers():
             buffers = list(self.module.buffers())
             if buffers:
                 broadcast_coalesced(buffers, self.process_group, self._wait, src)
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
-            self.reducer.prepare_for_backward(output)
+            self.reducer.prepare_for_backward(output, self.module.training)
         return output
+
+    def _will_broadcast_buffers(self) -> bool:
+        # Only a training forward whose backward will sync broadcasts (torch's DDP also skips
+        # no_grad and no_sync forwards), so rank-local evaluation needs no collective.
+        return (self.broadcast_buffers and self.world_size > 1 and self.module.training
+                and torch.is_grad_enabled() and self.require_backward_grad_sync)
 
     def _check_group(self) -> None:
         try:

@@ -52,7 +52,7 @@ class Join:
     def before_forward(self) -> int:
         """Run the handshake for one forward of this (active) rank; return the buffer source rank."""
         will_sync = self.ddp.require_backward_grad_sync and torch.is_grad_enabled()
-        active, syncs = self._handshake(True, will_sync)
+        active, syncs, _ = self._handshake(True, will_sync, self.ddp._will_broadcast_buffers())
         self.ddp.reducer.active_ranks = active
         self.expect_sync = syncs if torch.is_grad_enabled() else None
         return active[0]
@@ -70,24 +70,26 @@ class Join:
     def _shadow_until_all_joined(self) -> None:
         ddp = self.ddp
         while True:
-            active, syncs = self._handshake(False, False)
+            active, syncs, broadcasts = self._handshake(False, False, False)
             if not active:
                 break
             ddp.reducer.active_ranks = active
             buffers = list(ddp.module.buffers())
-            if ddp.broadcast_buffers and buffers:
+            if broadcasts and buffers:
                 ddp._broadcast(buffers, active[0])
             if syncs:
                 shadow_backward(ddp.reducer)
         ddp._broadcast(list(ddp.module.parameters()) + list(ddp.module.buffers()), self.last_active[0])
 
-    def _handshake(self, active: bool, will_sync: bool) -> tuple[list[int], bool]:
+    def _handshake(self, active: bool, will_sync: bool,
+                   broadcasts: bool) -> tuple[list[int], bool, bool]:
         ddp = self.ddp
         w, rank = ddp.world_size, ddp.reducer.rank
-        flags = torch.zeros(w + 1, dtype=torch.int64, device=ddp.reducer.device)
+        flags = torch.zeros(w + 2, dtype=torch.int64, device=ddp.reducer.device)
         if active:
             flags[rank] = 1
             flags[w] = int(will_sync)
+            flags[w + 1] = int(broadcasts)
         ddp.reducer.wait(dist.all_reduce(flags, group=ddp.process_group, async_op=True),
                           "the join handshake")
         values = flags.tolist()
@@ -102,9 +104,14 @@ class Join:
                 f"synchronizes ({values[w]} of {len(ranks)} active ranks will sync): one entered "
                 "no_sync() (or disabled gradients) when another did not"
             )
+        if values[w + 1] not in (0, len(ranks)):
+            raise SyncError(
+                f"gradsync: inside model.join(), {values[w + 1]} of {len(ranks)} active ranks broadcast "
+                "buffers in this forward: the ranks disagree about train()/eval() mode"
+            )
         if ranks:
             self.last_active = ranks
-        return ranks, bool(values[w])
+        return ranks, bool(values[w]), bool(values[w + 1])
 
 
 def shadow_backward(reducer: Reducer) -> None:

@@ -79,7 +79,7 @@ class Reducer:
         n = len(self.params)
         self.backward_count = 0  # every backward, synced or not: the divergence check compares it
         self.sync_count = 0
-        self.forward_count = 0  # forwards that may be followed by a backward: catches skipped backwards
+        self.forward_count = 0  # training forwards with grad enabled: catches skipped backwards
         self._in_backward = False
         self._syncing = False
         self._expect_backward = False
@@ -132,10 +132,14 @@ class Reducer:
         if self._in_backward:  # the last backward raised before its end: drop its state
             self._reset_iteration()
 
-    def prepare_for_backward(self, outputs: Any) -> None:
-        """Note that a backward may follow; with ``find_unused_parameters``, find reachable params."""
+    def prepare_for_backward(self, outputs: Any, training: bool = True) -> None:
+        """Note that a backward may follow; with ``find_unused_parameters``, find reachable params.
+
+        Only training-mode forwards count for the skipped-backward check: an evaluation forward
+        that forgot ``torch.no_grad()`` on one rank is harmless and must not fail the next step.
+        """
         self._expect_backward = True
-        self.forward_count += 1
+        self.forward_count += training
         if self.find_unused_parameters and not (self.static_graph and self._static_counts is not None):
             self._reachable |= self._reachable_params(outputs)
 
