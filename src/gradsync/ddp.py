@@ -192,10 +192,10 @@ class DistributedDataParallel(nn.Module):
         return output
 
     def _will_broadcast_buffers(self) -> bool:
-        # Only a training forward whose backward will sync broadcasts (torch's DDP also skips
-        # no_grad and no_sync forwards), so rank-local evaluation needs no collective.
+        # Every training forward starts from rank 0's buffers, no_sync micro-steps included; eval
+        # and no_grad forwards skip the broadcast, so rank-local evaluation needs no collective.
         return (self.broadcast_buffers and self.world_size > 1 and self.module.training
-                and torch.is_grad_enabled() and self.require_backward_grad_sync)
+                and torch.is_grad_enabled())
 
     def _check_group(self) -> None:
         try:
