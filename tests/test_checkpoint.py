@@ -48,15 +48,13 @@ def ddp_micro_step(model, opt, x, y, syncs):
 
 def ddp_save(model, opt):
     # mid-window the locally accumulated gradients are training state: save them too
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(),
-            "grads": {n: p.grad for n, p in model.module.named_parameters() if p.grad is not None}}
+    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "grads": model.grad_state_dict()}
 
 
 def ddp_load(model, opt, state):
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    for n, p in model.module.named_parameters():
-        p.grad = state["grads"][n].clone() if n in state["grads"] else None
+    model.load_grad_state_dict(state["grads"])
 
 
 class Branchy(nn.Module):

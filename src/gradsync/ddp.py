@@ -44,25 +44,25 @@ def describe(module: nn.Module) -> list[tuple]:
     return rows
 
 
-def verify_same_model(module: nn.Module, group: dist.ProcessGroup,
-                      timeout: timedelta | None = None, device: torch.device | None = None) -> None:
+def verify_same_model(module: nn.Module, group: dist.ProcessGroup, timeout: timedelta,
+                      device: torch.device | None = None) -> None:
     """Raise on every rank if any rank's parameters or buffers differ from rank 0's."""
     mine = describe(module)
-    if timeout is not None:  # compare digests with a bounded collective; details only on a mismatch
-        digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
-        digests = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
-        digests[dist.get_rank(group)] = digest
-        try:
-            bounded_wait(dist.all_reduce(digests, group=group, async_op=True), timeout)
-        except Exception as exc:
-            raise SyncError(
-                f"gradsync: rank {dist.get_rank(group)} waited for the other ranks to construct "
-                f"DistributedDataParallel and they did not within {timeout.total_seconds():g}s: {exc}. "
-                "Likely cause: another rank died, raised before wrapping its model, or wraps a "
-                "different number of models."
-            ) from exc
-        if len(set(digests.tolist())) == 1:
-            return
+    # compare digests with a bounded collective; gather the details only on a mismatch
+    digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
+    digests = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+    digests[dist.get_rank(group)] = digest
+    try:
+        bounded_wait(dist.all_reduce(digests, group=group, async_op=True), timeout)
+    except Exception as exc:
+        raise SyncError(
+            f"gradsync: rank {dist.get_rank(group)} waited for the other ranks to construct "
+            f"DistributedDataParallel and they did not within {timeout.total_seconds():g}s: {exc}. "
+            "Likely cause: another rank died, raised before wrapping its model, or wraps a "
+            "different number of models."
+        ) from exc
+    if len(set(digests.tolist())) == 1:
+        return
     everyone: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
