@@ -313,13 +313,14 @@ class Reducer:
             for b in self.buckets:
                 b.pending = 0
             self._launch_ready_buckets()
-        missing = [i for i in range(n) if not self._ready[i]]
+        ready_in_hooks = list(self._ready)
+        missing = [i for i in range(n) if not ready_in_hooks[i]]
         graph_changed = self.static_graph and bool(missing)
         for i in missing:  # launch every bucket anyway so peers are not left waiting
             self._mark_ready(i, from_hook=False)
 
         tracks_unused = self.find_unused_parameters or self.static_graph
-        used = self._window_used if tracks_unused else self._ready_in_hooks(missing)
+        used = self._window_used if tracks_unused else ready_in_hooks
         control = control_tensor(self.rank, self.world_size, self.backward_count, self.forward_count, used,
                                  self.device)
         control_work = dist.all_reduce(control, group=self.group, async_op=True)
@@ -351,12 +352,6 @@ class Reducer:
         self.sync_count += 1
         if self._ready_order is not None:
             self._rebuild_buckets()
-
-    def _ready_in_hooks(self, missing: list[int]) -> list[bool]:
-        used = [True] * len(self.params)
-        for i in missing:
-            used[i] = False
-        return used
 
     def _wait_bucket(self, bucket: Bucket) -> torch.Tensor:
         handle = bucket.handle
