@@ -91,6 +91,7 @@ class Reducer:
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._ready_order: list[int] | None = None
         self._rebuilt = False
+        self.plan_order: list[int] | None = None  # rank 0's observed order, once the buckets were re-planned
         self._next_launch = 0
         self._iter_trace: dict | None = None
 
@@ -426,7 +427,18 @@ class Reducer:
         shared = torch.tensor(order, dtype=torch.int64, device=self.device)
         self.wait(dist.broadcast(shared, src=dist.get_global_rank(self.group, 0), group=self.group,
                                   async_op=True), "the bucket rebuild")
-        plan = plan_buckets(self.params, self.bucket_cap_mb, self.first_bucket_cap_mb, shared.tolist())
+        self.load_plan_order(shared.tolist())
+
+    def load_plan_order(self, order: list[int]) -> None:
+        """Plan the buckets from ``order`` (rank 0's observed gradient order) and never re-plan again.
+
+        A resumed run must reduce with the layout the interrupted run had: with three or more
+        ranks the ring all-reduce's summation order depends on where a gradient sits in its bucket.
+        """
+        self._ready_order = None
+        self._rebuilt = True
+        self.plan_order = list(order)
+        plan = plan_buckets(self.params, self.bucket_cap_mb, self.first_bucket_cap_mb, order)
         if plan != self.bucket_plan():
             self._build_buckets(plan)
 
