@@ -29,8 +29,8 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import gradsync
-from gradsync.demo import make_model, spirals
-from gradsync.launch import run_ranks
+from gradsync.tools.demo import make_model, spirals
+from gradsync.tools.launch import run_ranks
 
 RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 2 ** 20

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.launch import run_ranks
+from gradsync.tools.launch import run_ranks
 
 STEPS = 200
 HOOKS = {"none (fp32 all-reduce)": None, "fp16_compress_hook": gradsync.fp16_compress_hook,

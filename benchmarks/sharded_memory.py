@@ -35,8 +35,8 @@ from torch import nn  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import gradsync  # noqa: E402
-from gradsync.bench_measure import reset_peak_rss, status_kib  # noqa: E402
-from gradsync.launch import run_ranks  # noqa: E402
+from gradsync.tools.bench.measure import reset_peak_rss, status_kib  # noqa: E402
+from gradsync.tools.launch import run_ranks  # noqa: E402
 
 WIDTH, DEPTH = 2048, 12  # 12 x Linear(2048, 2048): 50.4M parameters
 ACC, WARMUP, WINDOWS, ROWS = 4, 1, 3, 8

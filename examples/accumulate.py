@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import gradsync
-from gradsync.demo import make_model, spirals
+from gradsync.tools.demo import make_model, spirals
 
 
 def micro_batches(args) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     args = p.parse_args(argv)
     if "RANK" not in os.environ:
-        from gradsync.launch import run_ranks
+        from gradsync.tools.launch import run_ranks
         check(run_ranks(train, args.nproc, args, timeout=600)[0], args)
         return
     dist.init_process_group(args.backend)  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR

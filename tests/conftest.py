@@ -3,6 +3,7 @@ from pathlib import Path
 
 # Test this checkout's sources even when another checkout is installed in the environment.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.py, from every test folder
 
 import torch  # noqa: E402
 import torch.testing  # noqa: F401  (imported before forking: children use it)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.launch import run_ranks
+from gradsync.tools.launch import run_ranks
 from helpers import batches, mlp, params, shard
 
 CAPS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)

@@ -1,11 +1,12 @@
-"""gradsync: data-parallel gradient synchronization for PyTorch, in pure Python."""
-from .accumulate import GradientAccumulator
-from .chunked import Chunked
-from .comm import GradBucket, allreduce_hook, bf16_compress_hook, fp16_compress_hook, noop_hook
-from .ddp import DDP, DistributedDataParallel
-from .control import SyncError
-from .sharded import ShardedDataParallel
-from .sharded_optim import ShardedOptimizer
+"""gradsync: data-parallel gradient synchronization for PyTorch, in pure Python.
+
+``gradsync.core`` is the engine (buckets, reducer, comm hooks, the DDP wrapper, join);
+``gradsync.layers`` builds on it (accumulation, sharding, chunking); ``gradsync.tools`` holds the
+command line, demo, benchmarks and local launcher and is not imported here.
+"""
+from .core import (DDP, DistributedDataParallel, GradBucket, SyncError, allreduce_hook, bf16_compress_hook,
+                   fp16_compress_hook, noop_hook)
+from .layers import Chunked, GradientAccumulator, ShardedDataParallel, ShardedOptimizer
 
 __version__ = "0.1.0"
 __all__ = [

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .ddp import DistributedDataParallel
-from .control import check_grad
-from .reducer import Bucket, Reducer
+from ..core.ddp import DistributedDataParallel
+from ..core.control import check_grad
+from ..core.reducer import Bucket, Reducer
 
 # torch 2.13 renamed the *_tensor collectives; older releases (>= 2.4) only have the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

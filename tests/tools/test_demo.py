@@ -4,7 +4,7 @@ import re
 import pytest
 
 import gradsync
-from gradsync import demo
+from gradsync.tools import demo
 
 SMALL = ["--epochs", "2", "--samples", "512", "--batch", "32", "--accum", "4"]
 
@@ -47,7 +47,7 @@ def load_example(name):
     """Import examples/<name>.py as a module (the examples are scripts, not a package)."""
     import importlib.util
     from pathlib import Path
-    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    path = Path(__file__).resolve().parents[2] / "examples" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(f"example_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

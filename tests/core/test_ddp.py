@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.launch import RankError, run_ranks
+from gradsync.tools.launch import RankError, run_ranks
 from helpers import assert_close_dicts, batches, count_collectives, grads, mlp, params, shard
 
 CAPS = {"tiny": dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005),

@@ -1,11 +1,11 @@
 """Train a spiral classifier data-parallel with gradient accumulation, then check it against one process.
 
 Local (what `make demo` runs): 2 gloo processes forked on this machine, no GPU needed:
-    gradsync demo                         # or: python -m gradsync.demo --local
+    gradsync demo                         # or: python -m gradsync.tools.demo --local
     gradsync demo --nproc 4 --accum 8     # more ranks, longer windows
 Many nodes, NCCL, one process per GPU (rank 0 prints the summary and writes the plot):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HOST:29500 \\
-        -m gradsync.demo --backend nccl
+        -m gradsync.tools.demo --backend nccl
 
 The data is generated deterministically (three interleaved spirals) and shuffled with a seeded
 generator, so every run, on any number of ranks, sees the same global micro-batches; rank r takes

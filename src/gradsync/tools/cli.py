@@ -4,8 +4,8 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "demo": ("gradsync.demo", "train a small model on local ranks and check it against one process"),
-    "bench": ("gradsync.bench", "benchmark against torch's DDP; write tables and plots to benchmarks/results"),
+    "demo": ("gradsync.tools.demo", "train a small model on local ranks and check it against one process"),
+    "bench": ("gradsync.tools.bench.run", "benchmark against torch's DDP; write tables and plots to benchmarks/results"),
 }
 
 

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import gradsync
-from gradsync.launch import run_ranks
+from gradsync.tools.launch import run_ranks
 from helpers import assert_close_dicts, batches, mlp, params, shard
 from test_accumulate import item_counts, item_losses, reference_items
 

@@ -1,7 +1,7 @@
-"""What one rank of ``gradsync bench`` measures: step times, bytes, comm timeline, profile, memory.
+"""What one rank of ``gradsync.tools.bench.run`` measures: step times, bytes, comm timeline, profile, memory.
 
-Every function here runs inside a rank forked by ``gradsync.launch.run_ranks`` and returns plain
-picklable data; ``gradsync.bench`` turns it into tables and plots.
+Every function here runs inside a rank forked by ``gradsync.tools.launch.run_ranks`` and returns plain
+picklable data; ``gradsync.tools.bench.run`` turns it into tables and plots.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-from .bench_models import TorchEngine, count_params, loss_fn, make_engines
+from .models import TorchEngine, count_params, loss_fn, make_engines
 
 # Collectives gradsync (and the naive baseline) call through ``torch.distributed``, with the bytes
 # one rank sends under ring algorithms, per byte of the full tensor: all-reduce 2(W-1)/W,
@@ -69,7 +69,7 @@ def time_engines(rank, world, spec, names, accum, warmup, reps, cap) -> dict:
 def overhead_rank(rank, world, layers: int = 96, width: int = 8, reps: int = 40) -> dict:
     """Backward time of a model of many tiny parameters, where per-parameter bookkeeping dominates:
     plain module, and each engine with and without communication."""
-    from .bench_models import GradsyncEngine, ModelSpec
+    from .models import GradsyncEngine, ModelSpec
     spec = ModelSpec(name="tiny-params", kind="mlp", width=width, depth=layers, batch=4)
     base = spec.build()
     variants = {"plain module": base,
@@ -184,12 +184,14 @@ def profile_gradsync(rank, world, spec, engine, accum, windows: int = 3, top: in
         return None
     prof.disable()
     stats = pstats.Stats(prof)
-    rows, pkg = [], os.path.dirname(__file__)
+    rows = []
+    pkg = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))  # gradsync/, less its tools
+    tools = os.path.join(pkg, "tools")
     own_total, hook = 0.0, None
     for (filename, line, func), (cc, ncalls, tottime, cumtime, _callers) in stats.stats.items():
         where = f"{os.path.basename(filename)}:{line}({func})" if filename != "~" else func
         rows.append((tottime, cumtime, ncalls, where))
-        if filename.startswith(pkg) and not os.path.basename(filename).startswith("bench"):
+        if filename.startswith(pkg) and not filename.startswith(tools):
             own_total += tottime
             if func == "hook" and os.path.basename(filename) == "reducer.py":
                 hook = {"calls": ncalls / windows, "us_per_call": 1e6 * cumtime / max(ncalls, 1)}

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.launch import run_ranks
+from gradsync.tools.launch import run_ranks
 from helpers import assert_close_dicts, batches, count_collectives, grads, mlp, params, shard
 
 CAPS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)  # several buckets on the small MLP

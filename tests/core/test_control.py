@@ -5,7 +5,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from gradsync.control import (SyncError, bounded_wait, check_agreement, check_finite, check_missing,
+from gradsync.core.control import (SyncError, bounded_wait, check_agreement, check_finite, check_missing,
                               control_tensor, empty_control, used_counts)
 
 

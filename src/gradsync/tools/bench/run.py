@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import bench_measure as measure
-from .bench_models import ModelSpec, available_engines, mlp_for_params
-from .launch import run_ranks
+from . import measure
+from .models import ModelSpec, available_engines, mlp_for_params
+from ..launch import run_ranks
 
 
 @dataclass(kw_only=True)
@@ -189,7 +189,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
-    from . import bench_report
+    from . import report as bench_report
     args = parse_args(argv)
     plan = quick_plan(args) if args.quick else full_plan(args)
     names = [e.name for e in available_engines()]

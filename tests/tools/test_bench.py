@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gradsync
-from gradsync import bench, bench_measure, bench_report
+from gradsync.tools.bench import measure as bench_measure, report as bench_report, run as bench
 
 
 def test_quick_bench_writes_report_with_exact_communication(tmp_path):

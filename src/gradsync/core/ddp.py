@@ -164,7 +164,7 @@ class DistributedDataParallel(nn.Module):
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             timeout=self.timeout)
         self.reducer.check_finite = check_finite
-        self._join: Any = None  # the active gradsync.join.Join while inside model.join()
+        self._join: Any = None  # the active gradsync.core.join.Join while inside model.join()
         if self.world_size > 1:
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()),
                                 self.process_group, self._wait)

@@ -7,7 +7,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import gradsync
-from gradsync.launch import run_ranks
+from gradsync.tools.launch import run_ranks
 from helpers import Branches, assert_close_dicts, batches, grads, mlp, shard
 
 SMALL_BUCKETS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)

@@ -6,7 +6,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 import gradsync
-from gradsync.launch import run_ranks
+from gradsync.tools.launch import run_ranks
 from helpers import Branches, assert_close_dicts, batches, grads, mlp, params, shard
 
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.launch import run_ranks
+from gradsync.tools.launch import run_ranks
 from helpers import assert_close_dicts, batches, grads, shard
 
 

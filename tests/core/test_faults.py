@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.launch import RankError, run_ranks
+from gradsync.tools.launch import RankError, run_ranks
 from helpers import batches, mlp, shard
 
 TIMEOUT = 2.0  # gradsync's bound on every wait in these tests

@@ -1,0 +1,2 @@
+"""``gradsync bench``: gradsync against torch's DDP, side by side (``run``), measured (``measure``)
+on the models of ``models``, written up by ``report``."""
