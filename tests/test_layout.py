@@ -1,29 +1,55 @@
 """The package's tiers: core <- layers <- tools, and ``import gradsync`` loads no tool."""
+import ast
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-PROBE = """
-import sys, torch
-before = set(sys.modules)
-import {module}
-print(" ".join(sorted(set(sys.modules) - before)))
-"""
+import gradsync
+
+PACKAGE = Path(gradsync.__file__).parent
+TIERS = ["core", "layers", "tools"]  # each may import only the tiers before it
 
 
-def loaded_by(module: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", PROBE.format(module=module)], capture_output=True, text=True,
-                         check=True, timeout=120)
-    return set(out.stdout.split())
+def imported_tiers(path: Path) -> set[str]:
+    """Return the gradsync tiers a module imports, resolving relative imports."""
+    parts = ["gradsync", *path.relative_to(PACKAGE).with_suffix("").parts]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = parts[:len(parts) - node.level] if node.level else []
+            names = [".".join(base + ([node.module] if node.module else []) + ([a.name] if not node.module else []))
+                     for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        for name in names:
+            bits = name.split(".")
+            if bits[0] == "gradsync" and len(bits) > 1 and bits[1] in TIERS:
+                found.add(bits[1])
+    return found
 
 
-@pytest.mark.parametrize("module,forbidden", [
-    ("gradsync", ("gradsync.tools", "matplotlib", "tqdm", "numpy")),
-    ("gradsync.core", ("gradsync.layers", "gradsync.tools")),
-    ("gradsync.layers", ("gradsync.tools",)),
-])
-def test_imports_point_one_way(module, forbidden):
-    new = loaded_by(module)
-    assert module in new  # the probe saw the import
-    assert not [m for m in new if m.startswith(forbidden)]
+@pytest.mark.parametrize("tier", TIERS)
+def test_imports_point_one_way(tier):
+    allowed = set(TIERS[:TIERS.index(tier) + 1])
+    for path in sorted((PACKAGE / tier).rglob("*.py")):
+        assert imported_tiers(path) <= allowed, f"{path.relative_to(PACKAGE)} imports {imported_tiers(path) - allowed}"
+
+
+def test_the_probe_sees_relative_imports():
+    assert imported_tiers(PACKAGE / "layers" / "sharded.py") == {"core"}
+    assert imported_tiers(PACKAGE / "tools" / "bench" / "run.py") == {"tools"}
+
+
+def test_import_gradsync_loads_no_tool():
+    probe = ("import sys, torch; before = set(sys.modules); import gradsync; "
+             "print(' '.join(sorted(set(sys.modules) - before)))")
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE.parent)}  # this checkout, as conftest.py does
+    new = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
+                         timeout=120, env=env).stdout.split()
+    assert "gradsync.core.ddp" in new  # the probe saw the import
+    assert not [m for m in new if m.startswith(("gradsync.tools", "matplotlib", "tqdm"))]
