@@ -1,11 +1,12 @@
-"""Per-iteration gradient reduction: readiness tracking, ordered bucket launches, write-back.
+"""Per-iteration gradient reduction: readiness tracking and the end of backward.
 
 The reducer knows parameters, buckets and a process group; it knows nothing about modules or
 optimizers. Each parameter gets a post-accumulate-grad hook. In a synced backward a ready
 gradient is copied into its bucket slot, and buckets are launched strictly in index order on
 every rank, so collectives pair up across ranks even when hooks fire in different orders. The
 end of backward is caught with the autograd engine's queued callback, where the reducer waits
-(bounded) for every bucket and writes the averages back into ``.grad``.
+(bounded) for every bucket and writes the averages back into ``.grad``. Bucket memory lives in
+``storage.py``, launches and waits in ``launcher.py``; this file is the state machine.
 
 Each synced backward ends with the control all-reduce of ``control.py``, which lets every rank
 detect diverging ranks and missing or unused gradients without an extra round trip.
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -22,27 +22,15 @@ import torch
 import torch.distributed as dist
 
 from .buckets import plan_buckets
-from .comm import CommHook, GradBucket
-from .control import (SyncError, bounded_wait, check_agreement, check_finite, check_grad, check_missing,
-                      control_tensor, used_counts)
+from .comm import CommHook
+from .control import check_agreement, check_finite, check_missing, control_tensor, used_counts
+from .launcher import BucketLauncher
+from .storage import BucketStorage
 
 
-@dataclass
-class Bucket:
-    index: int
-    members: list[int]  # parameter indices
-    buffer: torch.Tensor
-    views: list[torch.Tensor]  # per-member views of ``buffer``, shaped like the parameters
-    pending: int = 0
-    handle: Any = None  # dist.Work (default path) or torch.futures.Future (hook path)
-    times: dict[str, float] = field(default_factory=dict)
+class Reducer(BucketStorage, BucketLauncher):
+    """Per-iteration state machine; bucket memory in ``BucketStorage``, launches in ``BucketLauncher``."""
 
-
-def _is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
-    return grad is not None and grad.data_ptr() == view.data_ptr()
-
-
-class Reducer:
     def __init__(
         self,
         params: Sequence[torch.nn.Parameter],
@@ -91,42 +79,12 @@ class Reducer:
         self._index_of = {id(p): i for i, p in enumerate(self.params)}
         self._ready_order: list[int] | None = None
         self._rebuilt = False
-        self.plan_order: list[int] | None = None  # rank 0's observed order, once the buckets were re-planned
         self._next_launch = 0
         self._iter_trace: dict | None = None
 
         self._build_buckets(plan_buckets(self.params, bucket_cap_mb, first_bucket_cap_mb))
         self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
                          for i, p in enumerate(self.params)]
-
-    # ---------------------------------------------------------------- buckets
-    def _build_buckets(self, plan: list[list[int]]) -> None:
-        old_views = getattr(self, "_views", None)
-        self.buckets: list[Bucket] = []
-        self._views: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
-        self._bucket_of = [0] * len(self.params)
-        for b, members in enumerate(plan):
-            first = self.params[members[0]]
-            total = sum(self.params[i].numel() for i in members)
-            buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
-            views, offset = [], 0
-            for i in members:
-                p = self.params[i]
-                view = buffer[offset:offset + p.numel()].view(p.shape)
-                offset += p.numel()
-                views.append(view)
-                self._views[i] = view
-                self._bucket_of[i] = b
-            self.buckets.append(Bucket(b, list(members), buffer, views))
-        if self.gradient_as_bucket_view and old_views is not None:
-            for i, p in enumerate(self.params):
-                if _is_view_of(p.grad, old_views[i]):
-                    self._views[i].copy_(p.grad)
-                    p.grad = self._views[i]
-
-    def bucket_plan(self) -> list[list[int]]:
-        """Return the current buckets as lists of parameter indices."""
-        return [list(b.members) for b in self.buckets]
 
     # ---------------------------------------------------------------- forward side
     def prepare_for_forward(self) -> None:
@@ -243,58 +201,6 @@ class Reducer:
                 bucket.times = {"ready": time.perf_counter()}
             self._launch_ready_buckets()
 
-    def _copy_to_bucket(self, i: int) -> None:
-        grad = self.params[i].grad
-        view = self._views[i]
-        if grad is None:
-            view.zero_()
-        elif self.gradient_as_bucket_view:
-            self._adopt_view(i)
-        else:
-            check_grad(grad, view, self.names[i])
-            if self.comm_hook is None:  # average while copying: saves a pass over the bucket (_launch)
-                torch.div(grad, self.world_size, out=view)
-            else:
-                view.copy_(grad)
-
-    def _adopt_view(self, i: int) -> None:
-        """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced)."""
-        p, view = self.params[i], self._views[i]
-        grad = p.grad
-        if grad is not None and not _is_view_of(grad, view):
-            check_grad(grad, view, self.names[i])
-            view.copy_(grad)
-            p.grad = view
-
-    def _launch_ready_buckets(self) -> None:
-        buckets = self.buckets
-        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
-            self._launch(buckets[self._next_launch])
-            self._next_launch += 1
-
-    def _launch(self, bucket: Bucket) -> None:
-        tracing = self._iter_trace is not None
-        if tracing:
-            bucket.times["launch"] = time.perf_counter()
-        if self.comm_hook is None:
-            if self.gradient_as_bucket_view:  # otherwise _copy_to_bucket already divided
-                bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
-            bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        else:
-            grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.views,
-                                     [self.params[i] for i in bucket.members],
-                                     bucket.index == len(self.buckets) - 1)
-            bucket.handle = self.comm_hook(self.comm_state, grad_bucket)
-            if not isinstance(bucket.handle, torch._C.Future):
-                raise TypeError(
-                    f"gradsync: the communication hook returned {type(bucket.handle).__name__} for "
-                    f"bucket {bucket.index}; it must return a torch.futures.Future of the reduced tensor"
-                )
-        if tracing:
-            fut = bucket.handle if isinstance(bucket.handle, torch._C.Future) else bucket.handle.get_future()
-            times = bucket.times
-            fut.add_done_callback(lambda _f: times.__setitem__("done", time.perf_counter()))
-
     # ---------------------------------------------------------------- end of backward
     def _finalize(self) -> None:
         try:
@@ -353,94 +259,6 @@ class Reducer:
         self.sync_count += 1
         if self._ready_order is not None:
             self._rebuild_buckets()
-
-    def _wait_bucket(self, bucket: Bucket) -> torch.Tensor:
-        handle = bucket.handle
-        self.wait(handle, f"bucket {bucket.index}")
-        if not isinstance(handle, torch._C.Future):
-            return bucket.buffer
-        result = handle.value()
-        if isinstance(result, (list, tuple)) and len(result) == 1:
-            result = result[0]
-        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
-            what = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
-                    else type(result).__name__)
-            raise TypeError(
-                f"gradsync: the communication hook's future for bucket {bucket.index} yielded {what}; "
-                f"expected a tensor of {bucket.buffer.numel()} elements (the bucket's buffer)"
-            )
-        if result.dtype != bucket.buffer.dtype:
-            raise TypeError(
-                f"gradsync: the communication hook's future for bucket {bucket.index} yielded a "
-                f"{result.dtype} tensor; expected {bucket.buffer.dtype} (the bucket's dtype). A "
-                "compressing hook must decompress into the bucket's dtype before returning."
-            )
-        return result
-
-    def wait(self, handle: Any, what: str) -> None:
-        """Wait for a Work or Future, bounded by ``self.timeout``, with a useful error."""
-        try:
-            bounded_wait(handle, self.timeout)
-        except Exception as exc:
-            raise SyncError(
-                f"gradsync: rank {self.rank} waited for {what} of synced backward {self.sync_count} "
-                f"(backward {self.backward_count} on this rank) and it failed or did not finish within "
-                f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died, raised, "
-                "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync."
-            ) from exc
-
-    def _write_back(self, bucket: Bucket, result: torch.Tensor, counts: list[int]) -> None:
-        if result is not bucket.buffer:
-            bucket.buffer.copy_(result.reshape(bucket.buffer.shape))
-        for i, view in zip(bucket.members, bucket.views):
-            if counts[i] == 0:  # unused on every rank: leave .grad as it was (None stays None)
-                continue
-            p = self.params[i]
-            if self.gradient_as_bucket_view:
-                if not _is_view_of(p.grad, view):
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
-
-    def _record_trace(self) -> None:
-        it = self._iter_trace
-        it["backward_end"] = time.perf_counter()
-        for b in self.buckets:
-            it["buckets"].append({"index": b.index, "bytes": self._bucket_nbytes(b), **b.times})
-        self.trace.append(it)
-        self._iter_trace = None
-
-    def _bucket_nbytes(self, bucket: Bucket) -> int:
-        return bucket.buffer.numel() * bucket.buffer.element_size()
-
-    def _rebuild_buckets(self) -> None:
-        """Re-plan buckets once from rank 0's observed gradient-ready order."""
-        order = self._ready_order
-        self._ready_order = None
-        self._rebuilt = True
-        if self.find_unused_parameters and not self.static_graph:
-            return  # the order changes from iteration to iteration; keep registration order
-        seen = set(order)
-        order = list(dict.fromkeys(order)) + [i for i in reversed(range(len(self.params))) if i not in seen]
-        shared = torch.tensor(order, dtype=torch.int64, device=self.device)
-        self.wait(dist.broadcast(shared, src=dist.get_global_rank(self.group, 0), group=self.group,
-                                  async_op=True), "the bucket rebuild")
-        self.load_plan_order(shared.tolist())
-
-    def load_plan_order(self, order: list[int]) -> None:
-        """Plan the buckets from ``order`` (rank 0's observed gradient order) and never re-plan again.
-
-        A resumed run must reduce with the layout the interrupted run had: with three or more
-        ranks the ring all-reduce's summation order depends on where a gradient sits in its bucket.
-        """
-        self._ready_order = None
-        self._rebuilt = True
-        self.plan_order = list(order)
-        plan = plan_buckets(self.params, self.bucket_cap_mb, self.first_bucket_cap_mb, order)
-        if plan != self.bucket_plan():
-            self._build_buckets(plan)
 
     def _reset_iteration(self) -> None:
         self._in_backward = False

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from ..core.ddp import DistributedDataParallel
 from ..core.control import check_grad
-from ..core.reducer import Bucket, Reducer
+from ..core.reducer import Reducer
+from ..core.storage import Bucket
 
 # torch 2.13 renamed the *_tensor collectives; older releases (>= 2.4) only have the old names
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -1,0 +1,92 @@
+"""Bucket launches in index order, through the default all-reduce or a comm hook; bounded waits.
+
+``BucketLauncher`` is the part of the reducer that talks to the process group. Buckets launch
+strictly in index order on every rank, so collectives pair up across ranks even when gradients
+become ready in different orders. It expects the reducer's ``buckets``, ``params``, ``group``,
+``world_size``, ``comm_hook``/``comm_state``, ``timeout`` and trace state.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .comm import GradBucket
+from .control import SyncError, bounded_wait
+from .storage import Bucket
+
+
+class BucketLauncher:
+    def _launch_ready_buckets(self) -> None:
+        buckets = self.buckets
+        while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
+            self._launch(buckets[self._next_launch])
+            self._next_launch += 1
+
+    def _launch(self, bucket: Bucket) -> None:
+        tracing = self._iter_trace is not None
+        if tracing:
+            bucket.times["launch"] = time.perf_counter()
+        if self.comm_hook is None:
+            if self.gradient_as_bucket_view:  # otherwise _copy_to_bucket already divided
+                bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
+            bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
+        else:
+            grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.views,
+                                     [self.params[i] for i in bucket.members],
+                                     bucket.index == len(self.buckets) - 1)
+            bucket.handle = self.comm_hook(self.comm_state, grad_bucket)
+            if not isinstance(bucket.handle, torch._C.Future):
+                raise TypeError(
+                    f"gradsync: the communication hook returned {type(bucket.handle).__name__} for "
+                    f"bucket {bucket.index}; it must return a torch.futures.Future of the reduced tensor"
+                )
+        if tracing:
+            fut = bucket.handle if isinstance(bucket.handle, torch._C.Future) else bucket.handle.get_future()
+            times = bucket.times
+            fut.add_done_callback(lambda _f: times.__setitem__("done", time.perf_counter()))
+
+    def _wait_bucket(self, bucket: Bucket) -> torch.Tensor:
+        handle = bucket.handle
+        self.wait(handle, f"bucket {bucket.index}")
+        if not isinstance(handle, torch._C.Future):
+            return bucket.buffer
+        result = handle.value()
+        if isinstance(result, (list, tuple)) and len(result) == 1:
+            result = result[0]
+        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+            what = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
+                    else type(result).__name__)
+            raise TypeError(
+                f"gradsync: the communication hook's future for bucket {bucket.index} yielded {what}; "
+                f"expected a tensor of {bucket.buffer.numel()} elements (the bucket's buffer)"
+            )
+        if result.dtype != bucket.buffer.dtype:
+            raise TypeError(
+                f"gradsync: the communication hook's future for bucket {bucket.index} yielded a "
+                f"{result.dtype} tensor; expected {bucket.buffer.dtype} (the bucket's dtype). A "
+                "compressing hook must decompress into the bucket's dtype before returning."
+            )
+        return result
+
+    def wait(self, handle: Any, what: str) -> None:
+        """Wait for a Work or Future, bounded by ``self.timeout``, with a useful error."""
+        try:
+            bounded_wait(handle, self.timeout)
+        except Exception as exc:
+            raise SyncError(
+                f"gradsync: rank {self.rank} waited for {what} of synced backward {self.sync_count} "
+                f"(backward {self.backward_count} on this rank) and it failed or did not finish within "
+                f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died, raised, "
+                "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync."
+            ) from exc
+
+    def _record_trace(self) -> None:
+        it = self._iter_trace
+        it["backward_end"] = time.perf_counter()
+        for b in self.buckets:
+            it["buckets"].append({"index": b.index, "bytes": self._bucket_nbytes(b), **b.times})
+        self.trace.append(it)
+        self._iter_trace = None
