@@ -1,4 +1,6 @@
 """GradientAccumulator: windows, communication counts, schedules, end of data, exact normalization."""
+import collections
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -271,6 +273,19 @@ def test_misuse_raises_clearly():
             acc.backward(F.mse_loss(model(x), y), num_items=-1)
     with pytest.raises(RuntimeError, match="starts a window, but the current window has run 1 of 2"):
         acc.split((x, y))
+
+
+def test_split_keeps_the_batch_structure():
+    Batch = collections.namedtuple("Batch", "x meta")
+    x, ids = torch.arange(14.0).reshape(7, 2), torch.arange(7)
+    _, acc = make_acc(steps=3)
+    parts = acc.split({"pair": Batch(x, [torch.tensor(3.0), "tag"]), "ids": ids})
+    assert [len(p["ids"]) for p in parts] == [3, 2, 2]
+    for p in parts:
+        assert type(p["pair"]) is Batch and p["pair"].meta[1] == "tag"
+        assert p["pair"].meta[0].dim() == 0  # no dim 0: every micro-batch gets it whole
+    assert torch.equal(torch.cat([p["pair"].x for p in parts]), x)
+    assert torch.equal(torch.cat([p["ids"] for p in parts]), ids)
 
 
 def test_zero_items_in_a_window_raises():

@@ -1,4 +1,5 @@
 """Chunked: outputs and gradients equal the unchunked module's, alone and inside gradsync DDP."""
+import collections
 import gc
 import weakref
 
@@ -44,33 +45,38 @@ def test_gradients_equal_the_unchunked_module(rows, chunks, input_grad):
         torch.testing.assert_close(xb.grad, xa.grad)
 
 
+Logits = collections.namedtuple("Logits", "scores argmax")
+Extra = collections.namedtuple("Extra", "bias shift")
+
+
 class TwoHeads(nn.Module):
-    """Tuple outputs (one an integer tensor), a keyword argument and an argument passed whole."""
+    """Dict and namedtuple outputs (one an integer tensor), a keyword argument, a namedtuple argument."""
 
     def __init__(self):
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
 
-    def forward(self, x, bias, *, scale):
-        h = torch.tanh(self.a(x) + bias)  # bias: (8,), the same for every row
-        return {"h": h * scale, "logits": (self.b(h), h.argmax(1)), "tag": "heads"}
+    def forward(self, x, extra, *, scale):
+        h = torch.tanh(self.a(x) + extra.bias + extra.shift)  # bias: (8,), the same for every row
+        return {"h": h * scale, "logits": Logits(self.b(h), h.argmax(1)), "tag": "heads"}
 
 
 def test_structured_outputs_kwargs_and_unsplit_arguments():
     g = torch.Generator().manual_seed(0)
-    x, bias, scale = (torch.randn(9, 8, generator=g), torch.randn(8, generator=g),
-                      torch.randn(9, 1, generator=g))
+    x, bias, scale, shift = (torch.randn(9, 8, generator=g), torch.randn(8, generator=g),
+                             torch.randn(9, 1, generator=g), torch.randn(9, 8, generator=g))
     outs, got = [], []
     for chunks in (None, 4):
         torch.manual_seed(0)
         module = TwoHeads()
         wrapped = gradsync.Chunked(module, chunks) if chunks else module
-        xs, bs, ss = (t.clone().requires_grad_() for t in (x, bias, scale))
-        out = wrapped(xs, bs, scale=ss)
+        xs, bs, ss, hs = (t.clone().requires_grad_() for t in (x, bias, scale, shift))
+        out = wrapped(xs, Extra(bs, hs), scale=ss)
         assert out["tag"] == "heads" and out["logits"][1].dtype == torch.int64
+        assert type(out["logits"]) is Logits
         (out["h"].square().sum() + out["logits"][0].sin().sum()).backward()
         outs.append(out)
-        got.append({**grads(module), "x": xs.grad, "bias": bs.grad, "scale": ss.grad})
+        got.append({**grads(module), "x": xs.grad, "bias": bs.grad, "scale": ss.grad, "shift": hs.grad})
     torch.testing.assert_close(outs[1]["h"], outs[0]["h"])
     assert torch.equal(outs[1]["logits"][1], outs[0]["logits"][1])
     assert_close_dicts(got[1], got[0])

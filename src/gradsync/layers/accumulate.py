@@ -18,6 +18,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .tree import flatten, narrow, row_bounds, unflatten
+from .window import _WindowOptimizer, _WindowScheduler
+
 _MEAN, _ITEMS = "mean loss", "num_items"
 
 
@@ -203,12 +206,13 @@ class GradientAccumulator:
         if not self._boundary or self._active:
             raise RuntimeError(f"gradsync: split() starts a window, but the current window has run "
                                f"{self._position} of {self._window_len} micro-steps; call it between windows")
-        rows = _rows(batch)
+        leaves, spec = flatten(batch)
+        rows = _rows(leaves)
         if rows < n:
             raise ValueError(f"gradsync: cannot split a batch of {rows} rows into {n} micro-batches")
-        sizes = [len(r) for r in torch.arange(rows).tensor_split(n)]
-        self._next_weights = [s / rows for s in sizes]
-        return [_take(batch, sum(sizes[:k]), sizes[k]) for k in range(n)]
+        bounds = row_bounds(rows, n)
+        self._next_weights = [length / rows for _, length in bounds]
+        return [unflatten([narrow(v, start, length) for v in leaves], spec) for start, length in bounds]
 
     # ---------------------------------------------------------------- wrappers
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -256,79 +260,6 @@ class GradientAccumulator:
         self._end_of_data = False
 
 
-class _WindowOptimizer(torch.optim.Optimizer):
-    """An optimizer whose step and zero_grad act only where the accumulator's window ends."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, acc: GradientAccumulator):
-        # No Optimizer.__init__: every state lives in the wrapped optimizer. Subclassing keeps
-        # isinstance checks (LR schedulers, GradScaler) working.
-        self.optimizer = optimizer
-        self._acc = acc
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("optimizer", "_acc"):
-            raise AttributeError(name)
-        return getattr(self.optimizer, name)
-
-    param_groups = property(lambda self: self.optimizer.param_groups,
-                            lambda self, v: setattr(self.optimizer, "param_groups", v))
-    state = property(lambda self: self.optimizer.state)
-    defaults = property(lambda self: self.optimizer.defaults)
-
-    def step(self, closure: Any = None) -> Any:
-        if self._acc.is_boundary:
-            return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._acc._may_zero():
-            self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
-
-    def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return self.__dict__
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-
-    def __repr__(self) -> str:
-        return f"WindowOptimizer(steps={self._acc.steps}, {self.optimizer!r})"
-
-
-class _WindowScheduler:
-    """A scheduler whose step acts once per window, at the window's end."""
-
-    def __init__(self, scheduler: Any, acc: GradientAccumulator):
-        self.scheduler = scheduler
-        self._acc = acc
-        self._stepped_window = -1
-
-    def __getattr__(self, name: str) -> Any:
-        if name in ("scheduler", "_acc", "_stepped_window"):
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        acc = self._acc
-        if acc.is_boundary and acc.windows > 0 and self._stepped_window != acc.windows:
-            self._stepped_window = acc.windows
-            self.scheduler.step(*args, **kwargs)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-
 def _as_count(num_items: Any, device: torch.device) -> torch.Tensor:
     if isinstance(num_items, torch.Tensor):
         if num_items.numel() != 1:
@@ -342,32 +273,9 @@ def _as_count(num_items: Any, device: torch.device) -> torch.Tensor:
     return torch.tensor(float(num_items), dtype=torch.float64, device=device)
 
 
-def _rows(batch: Any) -> int:
-    sizes = {t.shape[0] for t in _leaves(batch) if isinstance(t, torch.Tensor) and t.dim() > 0}
+def _rows(leaves: list[Any]) -> int:
+    sizes = {t.shape[0] for t in leaves if isinstance(t, torch.Tensor) and t.dim() > 0}
     if len(sizes) != 1:
         raise ValueError("gradsync: split() needs a batch whose tensors share one size along dim 0, got "
                          + (f"sizes {sorted(sizes)}" if sizes else "no tensor with a dim 0"))
     return sizes.pop()
-
-
-def _leaves(obj: Any) -> Iterator[Any]:
-    if isinstance(obj, dict):
-        for v in obj.values():
-            yield from _leaves(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _leaves(v)
-    else:
-        yield obj
-
-
-def _take(obj: Any, start: int, length: int) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj.narrow(0, start, length) if obj.dim() > 0 else obj
-    if isinstance(obj, dict):
-        return type(obj)((k, _take(v, start, length)) for k, v in obj.items())
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(_take(v, start, length) for v in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_take(v, start, length) for v in obj)
-    return obj

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
+
+from .tree import flatten, row_bounds, unflatten
 
 
 class Chunked(nn.Module):
@@ -40,7 +41,7 @@ class Chunked(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         params = [p for p in self.module.parameters() if p.requires_grad]
-        leaves, spec = _flatten((args, kwargs))
+        leaves, spec = flatten((args, kwargs))
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         needs_grad = bool(params) or any(x.requires_grad for _, x in tensors)
         if not torch.is_grad_enabled() or not needs_grad:
@@ -50,11 +51,9 @@ class Chunked(nn.Module):
             raise ValueError("gradsync: Chunked needs at least one tensor argument with a batch dimension")
         self._check_rows_independent()
         rows = batched[0].shape[0]
-        sizes = [len(r) for r in torch.arange(rows).tensor_split(min(self.chunks, rows))]
-        starts = [sum(sizes[:k]) for k in range(len(sizes))]
         plan = _Plan(self.module, spec, leaves, [i for i, _ in tensors],
                      [x.dim() > 0 and x.shape[0] == rows for _, x in tensors],
-                     list(zip(starts, sizes)), params)
+                     row_bounds(rows, min(self.chunks, rows)), params)
         outputs = _ChunkedFunction.apply(plan, *(x for _, x in tensors), *params)
         return plan.rebuild_output(outputs)
 
@@ -93,13 +92,13 @@ class _Plan:
         leaves = list(self.leaves)
         for i, x in zip(self.tensor_at, inputs):
             leaves[i] = x
-        args, kwargs = _unflatten(leaves, self.spec)
-        return _flatten(self.module(*args, **kwargs))
+        args, kwargs = unflatten(leaves, self.spec)
+        return flatten(self.module(*args, **kwargs))
 
     def rebuild_output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         it = iter(tensors)
         leaves = [next(it) if is_t else v for is_t, v in zip(self.out_is_tensor, self.out_leaves)]
-        return _unflatten(leaves, self.out_spec)
+        return unflatten(leaves, self.out_spec)
 
 
 class _ChunkedFunction(torch.autograd.Function):
@@ -212,32 +211,3 @@ def _replay(plan: _Plan, k: int, devices: list[int]):
         for device_type, enabled, dtype in plan.autocast:
             stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
         yield
-
-
-def _flatten(obj: Any) -> tuple[list[Any], Any]:
-    """Return the leaves of nested tuples, lists and dicts, and a spec to rebuild the structure."""
-    leaves: list[Any] = []
-    return leaves, _walk(obj, leaves)
-
-
-# Module-level recursion on purpose: a recursive closure is a reference cycle that would keep
-# the leaves (chunk outputs and their autograd graphs) alive until the garbage collector runs.
-def _walk(obj: Any, leaves: list[Any]) -> Any:
-    if isinstance(obj, (tuple, list)) and not hasattr(obj, "_fields"):
-        return (type(obj), [_walk(v, leaves) for v in obj])
-    if isinstance(obj, dict):
-        return (type(obj), list(obj.keys()), [_walk(v, leaves) for v in obj.values()])
-    leaves.append(obj)
-    return None
-
-
-def _unflatten(leaves: list[Any], spec: Any) -> Any:
-    return _build(spec, iter(leaves))
-
-
-def _build(spec: Any, it: Iterator[Any]) -> Any:
-    if spec is None:
-        return next(it)
-    if len(spec) == 2:
-        return spec[0](_build(c, it) for c in spec[1])
-    return spec[0](zip(spec[1], (_build(c, it) for c in spec[2])))
