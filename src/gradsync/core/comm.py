@@ -102,3 +102,24 @@ def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
+
+
+def issues_one_collective(hook: CommHook) -> bool:
+    """Return True for hooks known to issue one collective and none from their futures' callbacks.
+
+    Other hooks (e.g. torch's ``powerSGD_hook``) may start collectives from a callback, on gloo's
+    thread, when an earlier collective completes; the reducer then issues nothing else until
+    that bucket's future is done, so every rank issues collectives in the same order.
+    """
+    hook = getattr(hook, "func", hook)  # functools.partial
+    return hook in _ONE_COLLECTIVE
+
+
+_ONE_COLLECTIVE = {allreduce_hook, fp16_compress_hook, bf16_compress_hook, noop_hook}
+try:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as _torch_hooks
+    _ONE_COLLECTIVE |= {_torch_hooks.allreduce_hook, _torch_hooks.fp16_compress_hook,
+                        _torch_hooks.bf16_compress_hook}
+except ImportError:  # torch built without distributed hooks: only gradsync's own are known
+    pass
+

@@ -188,7 +188,7 @@ class DistributedDataParallel(nn.Module):
                 broadcast_coalesced(buffers, self.process_group, self._wait, src)
         output = self.module(*args, **kwargs)
         if torch.is_grad_enabled():
-            self.reducer.prepare_for_backward(output, self.module.training)
+            self.reducer.prepare_for_backward(output, self.module.training, self.require_backward_grad_sync)
         return output
 
     def _will_broadcast_buffers(self) -> bool:

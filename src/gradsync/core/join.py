@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import GradBucket
 from .control import SyncError, empty_control
 from .reducer import Reducer
 
@@ -116,19 +115,13 @@ class Join:
 
 def shadow_backward(reducer: Reducer) -> None:
     """Take part in the active ranks' synced backward with zero gradients."""
-    group = reducer.group
-    works = []
+    works: list = []
     for b in reducer.buckets:
         zeros = torch.zeros_like(b.buffer)
-        if reducer.comm_hook is None:
-            works.append(dist.all_reduce(zeros, group=group, async_op=True))
-        else:
-            views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
-            works.append(reducer.comm_hook(reducer.comm_state, GradBucket(
-                b.index, zeros, views, [reducer.params[i] for i in b.members],
-                b.index == len(reducer.buckets) - 1)))
+        views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
+        works.append(reducer.issue(b.index, zeros, views, b.members, works[-1] if works else None))
     control = empty_control(reducer.world_size, len(reducer.params), reducer.device)
-    control_work = dist.all_reduce(control, group=group, async_op=True)
+    control_work = reducer.launch_control(control, works)
     for b, work in zip(reducer.buckets, works):
         reducer.wait(work, f"bucket {b.index} (shadowed by a joined rank)")
     reducer.wait(control_work, "the end-of-backward check (shadowed by a joined rank)")

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .comm import GradBucket
+from .comm import GradBucket, issues_one_collective
 from .control import SyncError, bounded_wait
 from .storage import Bucket
 
@@ -29,24 +29,45 @@ class BucketLauncher:
         tracing = self._iter_trace is not None
         if tracing:
             bucket.times["launch"] = time.perf_counter()
-        if self.comm_hook is None:
-            if self.gradient_as_bucket_view:  # otherwise _copy_to_bucket already divided
-                bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
-            bucket.handle = dist.all_reduce(bucket.buffer, group=self.group, async_op=True)
-        else:
-            grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.views,
-                                     [self.params[i] for i in bucket.members],
-                                     bucket.index == len(self.buckets) - 1)
-            bucket.handle = self.comm_hook(self.comm_state, grad_bucket)
-            if not isinstance(bucket.handle, torch._C.Future):
-                raise TypeError(
-                    f"gradsync: the communication hook returned {type(bucket.handle).__name__} for "
-                    f"bucket {bucket.index}; it must return a torch.futures.Future of the reduced tensor"
-                )
+        if self.comm_hook is None and self.gradient_as_bucket_view:  # else _copy_to_bucket divided
+            bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
+        previous = self.buckets[bucket.index - 1].handle if bucket.index else None
+        bucket.handle = self.issue(bucket.index, bucket.buffer, bucket.views, bucket.members, previous)
         if tracing:
             fut = bucket.handle if isinstance(bucket.handle, torch._C.Future) else bucket.handle.get_future()
             times = bucket.times
             fut.add_done_callback(lambda _f: times.__setitem__("done", time.perf_counter()))
+
+    def issue(self, index: int, buffer: torch.Tensor, views: list[torch.Tensor], members: list[int],
+              previous: Any) -> Any:
+        """Start bucket ``index``'s collective: the default all-reduce, or the comm hook's future.
+
+        ``previous`` is the handle of bucket ``index - 1``; a hook not known to issue a single
+        collective waits for it first (see ``comm.issues_one_collective``).
+        """
+        if self.comm_hook is None:
+            return dist.all_reduce(buffer, group=self.group, async_op=True)
+        if previous is not None and not issues_one_collective(self.comm_hook):
+            self.wait(previous, f"bucket {index - 1} (its hook's collectives finish before bucket {index})")
+        handle = self.comm_hook(self.comm_state, GradBucket(index, buffer, views, [self.params[i] for i in members],
+                                                            index == len(self.buckets) - 1))
+        if not isinstance(handle, torch._C.Future):
+            raise TypeError(
+                f"gradsync: the communication hook returned {type(handle).__name__} for bucket {index}; "
+                "it must return a torch.futures.Future of the reduced tensor"
+            )
+        return handle
+
+    def launch_control(self, control: torch.Tensor, handles: list[Any]) -> dist.Work:
+        """All-reduce the end-of-backward control after the buckets' collectives.
+
+        With a hook that may issue collectives from its futures' callbacks, wait for every
+        bucket's future first, so the control pairs with the control on every rank.
+        """
+        if self.comm_hook is not None and not issues_one_collective(self.comm_hook):
+            for index, handle in enumerate(handles):
+                self.wait(handle, f"bucket {index}")
+        return dist.all_reduce(control, group=self.group, async_op=True)
 
     def _wait_bucket(self, bucket: Bucket) -> torch.Tensor:
         handle = bucket.handle

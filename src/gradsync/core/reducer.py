@@ -14,6 +14,8 @@ detect diverging ranks and missing or unused gradients without an extra round tr
 from __future__ import annotations
 
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -70,7 +72,10 @@ class Reducer(BucketStorage, BucketLauncher):
         self.forward_count = 0  # training forwards with grad enabled: catches skipped backwards
         self._in_backward = False
         self._syncing = False
-        self._expect_backward = False
+        self._ignoring = False  # in a backward that no forward of the wrapper prepared (torch ignores it)
+        self._warned_ignored = False
+        self._pending_forwards = 0  # forwards (or prepare_for_backward calls) not yet followed by a backward
+        self._armed = False  # the latest forward wanted its backward to synchronize
         self._window_used = [False] * n  # used locally since the last synced backward
         self._ready = [False] * n
         self._hook_counts = [0] * n
@@ -83,21 +88,27 @@ class Reducer(BucketStorage, BucketLauncher):
         self._iter_trace: dict | None = None
 
         self._build_buckets(plan_buckets(self.params, bucket_cap_mb, first_bucket_cap_mb))
-        self._handles = [p.register_post_accumulate_grad_hook(self._make_hook(i))
-                         for i, p in enumerate(self.params)]
+        # the hooks hold the reducer weakly: parameters outlive a wrapper that was deleted
+        me = weakref.ref(self)
+        self._handles = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self.params)]
 
     # ---------------------------------------------------------------- forward side
     def prepare_for_forward(self) -> None:
         if self._in_backward:  # the last backward raised before its end: drop its state
             self._reset_iteration()
 
-    def prepare_for_backward(self, outputs: Any, training: bool = True) -> None:
+    def prepare_for_backward(self, outputs: Any, training: bool = True, sync: bool = True) -> None:
         """Note that a backward may follow; with ``find_unused_parameters``, find reachable params.
 
-        Only training-mode forwards count for the skipped-backward check: an evaluation forward
-        that forgot ``torch.no_grad()`` on one rank is harmless and must not fail the next step.
+        ``sync`` is the forward's wish (torch decides at forward; gradsync also reads the flag
+        again at backward, so ``no_sync`` may wrap either). Several forwards may precede their
+        backwards; the latest forward's wish holds, as in torch, where frameworks call this with
+        an empty ``outputs`` to make the next backward synchronize. Only training-mode forwards
+        count for the skipped-backward check: an evaluation forward that forgot
+        ``torch.no_grad()`` on one rank is harmless and must not fail the next step.
         """
-        self._expect_backward = True
+        self._pending_forwards += 1
+        self._armed = bool(sync)
         self.forward_count += training
         if self.find_unused_parameters and not (self.static_graph and self._static_counts is not None):
             self._reachable |= self._reachable_params(outputs)
@@ -120,34 +131,30 @@ class Reducer(BucketStorage, BucketLauncher):
         return found
 
     # ---------------------------------------------------------------- backward side
-    def _make_hook(self, i: int) -> Callable[[torch.Tensor], None]:
-        def hook(param: torch.Tensor) -> None:
-            if not self._in_backward:
-                self._begin_backward()
+    def on_grad_ready(self, i: int, param: torch.Tensor) -> None:
+        """Post-accumulate-grad hook of parameter ``i``."""
+        if not self._in_backward:
+            self._begin_backward()
+        if param.grad is not None:  # autograd may leave it undefined: that is not a use (torch agrees)
             self._window_used[i] = True
-            if self._syncing:
-                if self._ready_order is not None:
-                    self._ready_order.append(i)
-                self._mark_ready(i)
-            elif self.gradient_as_bucket_view:
-                self._adopt_view(i)
-        return hook
+        if self._syncing:
+            if self._ready_order is not None:
+                self._ready_order.append(i)
+            self._mark_ready(i)
+        elif self.gradient_as_bucket_view:
+            self._adopt_view(i)
 
     def _begin_backward(self) -> None:
-        if not self._expect_backward:
-            raise RuntimeError(
-                "gradsync: backward ran without a forward of the DistributedDataParallel model since "
-                "the previous backward (two backward passes from one forward, or a forward that "
-                "bypassed the wrapper). Call model(...) before each backward; to combine several "
-                "losses from one forward, add them and call backward once."
-            )
-        self._expect_backward = False
         self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        if self._pending_forwards == 0:
+            self._ignore_backward()
+            return
+        self._pending_forwards -= 1
         self.backward_count += 1
         if self.backward_count == 1:  # gradients restored from a mid-window checkpoint are window state
             self._window_used = [p.grad is not None for p in self.params]
-        self._syncing = bool(self.should_sync())
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        self._syncing = self._armed and bool(self.should_sync())
         if not self._syncing:
             return
         self._ready = [False] * len(self.params)
@@ -202,6 +209,24 @@ class Reducer(BucketStorage, BucketLauncher):
             self._launch_ready_buckets()
 
     # ---------------------------------------------------------------- end of backward
+    def _ignore_backward(self) -> None:
+        """A backward that no forward of the wrapper prepared: local only, like torch.
+
+        Its gradients stay in ``.grad`` and count as used in the window, so the next synced
+        backward reduces them. ``create_graph`` backwards and a second backward through one
+        forward (``retain_graph=True``) land here too.
+        """
+        self._ignoring = True
+        if not self._warned_ignored:
+            self._warned_ignored = True
+            warnings.warn(
+                "gradsync: a backward ran without a forward of the DistributedDataParallel model "
+                "since the previous backward (a second backward through one forward, or a forward "
+                "that bypassed the wrapper). As in torch, its gradients were not synchronized now; "
+                "they are reduced at the next synchronizing backward. Call model(...) before each "
+                "backward; to combine several losses from one forward, add them and call backward once.",
+                stacklevel=2)
+
     def _finalize(self) -> None:
         try:
             if self._syncing:
@@ -209,6 +234,7 @@ class Reducer(BucketStorage, BucketLauncher):
         finally:
             self._in_backward = False
             self._syncing = False
+            self._ignoring = False
 
     def _finish_sync(self) -> None:
         n = len(self.params)
@@ -230,7 +256,7 @@ class Reducer(BucketStorage, BucketLauncher):
         used = self._window_used if tracks_unused else ready_in_hooks
         control = control_tensor(self.rank, self.world_size, self.backward_count, self.forward_count, used,
                                  self.device)
-        control_work = dist.all_reduce(control, group=self.group, async_op=True)
+        control_work = self.launch_control(control, [b.handle for b in self.buckets])
 
         results = [self._wait_bucket(b) for b in self.buckets]
         self.wait(control_work, "the end-of-backward check")
@@ -263,12 +289,21 @@ class Reducer(BucketStorage, BucketLauncher):
     def _reset_iteration(self) -> None:
         self._in_backward = False
         self._syncing = False
+        self._ignoring = False
         self._iter_trace = None
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _hook(reducer: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
+    def hook(param: torch.Tensor) -> None:
+        me = reducer()
+        if me is not None:  # once the wrapper is gone, its parameters train locally
+            me.on_grad_ready(i, param)
+    return hook
 
 
 def _tensors(obj: Any):

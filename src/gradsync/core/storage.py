@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,13 @@ class Bucket:
 
 def is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
     return grad is not None and grad.data_ptr() == view.data_ptr()
+
+
+def _warn_create_graph() -> None:
+    warnings.warn(
+        "gradsync: backward(create_graph=True) with DistributedDataParallel: the gradients are "
+        "averaged across ranks, but the higher-order graph is not (as in torch's DDP): gradients of "
+        "the gradients stay rank-local.", stacklevel=3)
 
 
 class BucketStorage:
@@ -69,6 +77,9 @@ class BucketStorage:
     def _copy_to_bucket(self, i: int) -> None:
         grad = self.params[i].grad
         view = self._views[i]
+        if grad is not None and grad.requires_grad:  # backward(create_graph=True)
+            _warn_create_graph()
+            grad = grad.detach()
         if grad is None:
             view.zero_()
         elif self.gradient_as_bucket_view:
@@ -86,9 +97,10 @@ class BucketStorage:
         grad = p.grad
         if grad is not None and not is_view_of(grad, view):
             check_grad(grad, view, self.names[i])
-            view.copy_(grad)
+            view.copy_(grad.detach())
             p.grad = view
 
+    @torch.no_grad()  # a create_graph backward runs this with grad mode on: record nothing
     def _write_back(self, bucket: Bucket, result: torch.Tensor, counts: list[int]) -> None:
         if result is not bucket.buffer:
             bucket.buffer.copy_(result.reshape(bucket.buffer.shape))
