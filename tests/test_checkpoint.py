@@ -105,16 +105,13 @@ def accumulator_micro_step(model, bundle, x, y, syncs):
 
 def accumulator_save(model, bundle):
     acc, opt = bundle
-    return {"model": model.state_dict(), "optimizer": opt.state_dict(), "accumulator": acc.state_dict(),
-            "grads": model.grad_state_dict()}
+    return {**ddp_save(model, opt), "accumulator": acc.state_dict()}
 
 
 def accumulator_load(model, bundle, state):
     acc, opt = bundle
-    model.load_state_dict(state["model"])
-    opt.load_state_dict(state["optimizer"])
+    ddp_load(model, opt, state)
     acc.load_state_dict(state["accumulator"])
-    model.load_grad_state_dict(state["grads"])
 
 
 class Reordered(nn.Module):

@@ -3,8 +3,7 @@ import pytest
 import torch
 
 import gradsync
-from helpers import batches, grads, mlp
-from test_faults import SLACK, TIMEOUT, faults, outcome, step
+from helpers import SLACK, TIMEOUT, batches, faults, grads, mlp, outcome, shard_backward
 
 
 def non_finite(rank, world_size, check, value):
@@ -12,7 +11,7 @@ def non_finite(rank, world_size, check, value):
     if rank == 1:  # one parameter's local gradient goes bad on one rank
         model.module[2].weight.register_hook(lambda g: g * value)
     x, y = batches(1, world_size)[0]
-    result = outcome(lambda: step(model, rank, world_size, x, y))
+    result = outcome(lambda: shard_backward(model, rank, world_size, x, y))
     return result, grads(model.module)
 
 
@@ -47,7 +46,7 @@ def raising_hook(rank, world_size, where):
 
     model.register_comm_hook(None, hook)
     x, y = batches(1, world_size)[0]
-    return outcome(lambda: step(model, rank, world_size, x, y))
+    return outcome(lambda: shard_backward(model, rank, world_size, x, y))
 
 
 @pytest.mark.parametrize("where", ["call", "future"])
@@ -66,7 +65,7 @@ def wrong_dtype_hook(rank, world_size):
     model.register_comm_hook(None, lambda state, bucket: gradsync.allreduce_hook(None, bucket).then(
         lambda f: f.value().double()))
     x, y = batches(1, world_size)[0]
-    return outcome(lambda: step(model, rank, world_size, x, y))
+    return outcome(lambda: shard_backward(model, rank, world_size, x, y))
 
 
 def test_comm_hook_returning_the_wrong_dtype():
@@ -81,11 +80,11 @@ def wrong_dtype_grad(rank, world_size, allow):
         p.grad_dtype = None
     x, y = batches(1, world_size)[0]
     with model.no_sync():
-        step(model, rank, world_size, x, y)
+        shard_backward(model, rank, world_size, x, y)
 
     def assign_then_sync():
         p.grad = p.grad.double()
-        step(model, rank, world_size, x, y)
+        shard_backward(model, rank, world_size, x, y)
     return outcome(assign_then_sync)
 
 

@@ -8,7 +8,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import gradsync
 from gradsync.tools.launch import run_ranks
-from helpers import Branches, assert_close_dicts, batches, grads, mlp, params, shard
+from helpers import (Branches, assert_close_dicts, batches, grads, mlp, params, rank_steps, reference,
+                     reference_unused, shard)
 
 SMALL_BUCKETS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)
 
@@ -24,23 +25,7 @@ def with_hook(rank, world_size, hook_name, view):
     }[hook_name]
     model = gradsync.DDP(mlp(seed=0), gradient_as_bucket_view=view, **SMALL_BUCKETS)
     model.register_comm_hook(None, hook)
-    out = []
-    for x, y in batches(2, world_size):
-        for p in model.parameters():
-            p.grad = None
-        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
-        out.append(grads(model.module))
-    return out
-
-
-def reference_grads(world_size, steps=2):
-    ref = mlp(seed=0)
-    out = []
-    for x, y in batches(steps, world_size):
-        ref.zero_grad(set_to_none=True)
-        F.mse_loss(ref(x), y).backward()
-        out.append(grads(ref))
-    return out
+    return rank_steps(model, rank, world_size, batches(2, world_size))
 
 
 @pytest.mark.parametrize("hook_name,tol", [("torch_allreduce", 1e-5), ("gradsync_allreduce", 1e-5),
@@ -49,7 +34,7 @@ def reference_grads(world_size, steps=2):
 @pytest.mark.parametrize("view", [False, True])
 def test_hooks_produce_the_averaged_gradient(hook_name, tol, view):
     results = run_ranks(with_hook, 2, hook_name, view)
-    want = reference_grads(2)
+    want = reference(mlp(seed=0), batches(2, 2))
     for got in results:
         for g, w in zip(got, want):
             assert_close_dicts(g, w, atol=tol, rtol=tol)
@@ -83,7 +68,7 @@ def test_custom_hook_chaining_then_callbacks_in_bucket_order():
         assert [s[0] for s in seen] == list(range(n_buckets)) and n_buckets > 2
         assert [s[1] for s in seen] == [False] * (n_buckets - 1) + [True]
         assert all(s[3] and s[4] for s in seen)
-        assert_close_dicts(got, reference_grads(2, 1)[0])
+        assert_close_dicts(got, reference(mlp(seed=0), batches(1, 2))[0])
 
 
 def hook_rules(rank, world_size, case):
@@ -162,16 +147,7 @@ def hook_with_unused(rank, world_size):
 
 def test_hooks_with_unused_parameters():
     results = run_ranks(hook_with_unused, 2)
-    x, y = batches(1, 2)[0]
-    want = {}
-    for rank in range(2):
-        m = Branches()
-        F.mse_loss(m(shard(x, rank, 2), use_b=rank == 0), shard(y, rank, 2)).backward()
-        for n, p in m.named_parameters():
-            if n.startswith("never."):  # unused on every rank: its gradient stays None
-                continue
-            g = (p.grad if p.grad is not None else torch.zeros_like(p)) / 2
-            want[n] = want.get(n, 0) + g
+    want = reference_unused([(True, False)], 2)  # b on rank 0 only; never: unused, stays None
     for got in results:
         assert_close_dicts(got, want)
 

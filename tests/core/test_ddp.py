@@ -9,7 +9,8 @@ from torch import nn
 
 import gradsync
 from gradsync.tools.launch import RankError, run_ranks
-from helpers import assert_close_dicts, batches, count_collectives, grads, mlp, params, shard
+from helpers import (Normed, assert_close_dicts, batches, count_collectives, grads, mlp, params, rank_steps,
+                     reference, shard)
 
 CAPS = {"tiny": dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005),
         "default": {}, "huge": dict(bucket_cap_mb=1000, first_bucket_cap_mb=1000)}
@@ -23,26 +24,8 @@ def make_opt(kind, ps):
 
 def train_ddp(rank, world_size, caps, opt_kind, steps):
     model = gradsync.DDP(mlp(seed=rank), **caps)  # ranks start from different weights
-    opt = make_opt(opt_kind, model.parameters())
-    history = []
-    for x, y in batches(steps, world_size):
-        opt.zero_grad()
-        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
-        history.append(grads(model.module))
-        opt.step()
+    history = rank_steps(model, rank, world_size, batches(steps, world_size), make_opt(opt_kind, model.parameters()))
     return history, params(model.module)
-
-
-def reference(world_size, opt_kind, steps, seed=0):
-    model = mlp(seed=seed)
-    opt = make_opt(opt_kind, model.parameters())
-    history = []
-    for x, y in batches(steps, world_size):
-        opt.zero_grad()
-        F.mse_loss(model(x), y).backward()
-        history.append(grads(model))
-        opt.step()
-    return history, params(model)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -51,7 +34,9 @@ def reference(world_size, opt_kind, steps, seed=0):
 def test_equivalent_to_one_process_on_the_global_batch(world_size, caps, opt_kind):
     steps = 4
     results = run_ranks(train_ddp, world_size, CAPS[caps], opt_kind, steps)
-    ref_history, ref_params = reference(world_size, opt_kind, steps)
+    ref = mlp(seed=0)
+    ref_history = reference(ref, batches(steps, world_size), opt=make_opt(opt_kind, ref.parameters()))
+    ref_params = params(ref)
     for history, final in results:
         for got, want in zip(history, ref_history):
             assert_close_dicts(got, want)
@@ -114,31 +99,18 @@ def accumulate(rank, world_size, form, micro_steps):
 def test_no_sync_accumulates_locally_then_syncs_once(form):
     world_size, micro = 2, 3
     results = run_ranks(accumulate, world_size, form, micro)
-    ref = mlp(seed=0)
-    for x, y in batches(micro, world_size):
-        (F.mse_loss(ref(x), y) / micro).backward()
+    (want,) = reference(mlp(seed=0), batches(micro, world_size), steps=micro)
     locals_ = []
     for rank, (calls, n_buckets, local, synced) in enumerate(results):
         assert calls == [0] * (micro - 1) + [n_buckets]
-        assert_close_dicts(synced, grads(ref))
+        assert_close_dicts(synced, want)
         locals_.append(local)
     # inside no_sync the ranks' gradients are their own, not averaged
     assert not torch.allclose(locals_[0]["0.weight"], locals_[1]["0.weight"])
 
 
-class Normed(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.bn = nn.BatchNorm1d(8)
-
-    def forward(self, x):
-        return self.bn(self.lin(x))
-
-
 def buffers_follow_rank0(rank, world_size):
-    torch.manual_seed(0)
-    model = gradsync.DDP(Normed())
+    model = gradsync.DDP(Normed(width=8))  # Normed seeds the generator: the data below repeat
     seen = []  # the buffers each inner forward starts from, i.e. after gradsync's broadcast
     model.module.register_forward_pre_hook(
         lambda mod, args: seen.append({n: b.clone() for n, b in mod.named_buffers()}))
@@ -205,10 +177,7 @@ def state_dict_and_world_of_one(rank, world_size):
 def test_state_dict_keys_and_world_size_one():
     keys, torch_keys, got = run_ranks(state_dict_and_world_of_one, 1)[0]
     assert keys == torch_keys and keys[0].startswith("module.")
-    ref = mlp()
-    x, y = batches(1, 1)[0]
-    F.mse_loss(ref(x), y).backward()
-    assert_close_dicts(got, grads(ref))
+    assert_close_dicts(got, reference(mlp(), batches(1, 1))[0])
 
 
 def failing(rank, world_size):
@@ -242,8 +211,7 @@ def test_wrapping_without_a_process_group_raises():
 
 
 def train_with_local_eval(rank, world_size, evaluate):
-    torch.manual_seed(0)
-    model = gradsync.DDP(Normed(), timeout=5)
+    model = gradsync.DDP(Normed(width=8), timeout=5)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     for step in range(3):

@@ -6,50 +6,29 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 import gradsync
-from gradsync.tools.launch import RankError, run_ranks
-from helpers import batches, mlp, shard
-
-TIMEOUT = 2.0  # gradsync's bound on every wait in these tests
-SLACK = 2.5  # scheduling noise on a loaded 2-core machine
-
-
-class Normed(nn.Module):
-    """A model with buffers, so every forward starts with a buffer broadcast."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.lin = nn.Linear(8, 4)
-        self.bn = nn.BatchNorm1d(4)
-
-    def forward(self, x):
-        return self.bn(self.lin(x))
+from gradsync.tools.launch import RankError
+from helpers import SLACK, TIMEOUT, Normed, batches, faults, mlp, outcome, shard, shard_backward
 
 
 def make(buffers=False, **kw):
     return gradsync.DDP(Normed() if buffers else mlp(), timeout=TIMEOUT, **kw)
 
 
-def outcome(fn):
-    """Run ``fn``; return ("ok", None, seconds) or (exception type name, message, seconds)."""
-    start = time.monotonic()
+def wait_for(flag):
+    """Stay alive, neither finishing nor dying, until the other rank is done (at most 15 s)."""
+    deadline = time.monotonic() + 15
+    while not os.path.exists(flag) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def outcome_then_flag(fn, flag):
+    """``outcome(fn)``, then let the waiting rank go."""
     try:
-        fn()
-    except Exception as exc:
-        return type(exc).__name__, str(exc), time.monotonic() - start
-    return "ok", None, time.monotonic() - start
-
-
-def faults(fn, *args, world_size=2):
-    return run_ranks(fn, world_size, *args, timeout=40, pg_timeout=6, return_errors=True)
-
-
-def step(model, rank, world_size, x, y):
-    F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        return outcome(fn)
+    finally:
+        open(flag, "w").close()
 
 
 # ---------------------------------------------------------------- diverging ranks
@@ -61,16 +40,16 @@ def diverge(rank, world_size, how, buffers):
         for i, (x, y) in enumerate(data):
             if rank == 1 and i == 1 and how == "no_sync":
                 with model.no_sync():
-                    step(model, rank, world_size, x, y)
+                    shard_backward(model, rank, world_size, x, y)
             elif rank == 1 and i == 1 and how == "skip_backward":
                 model(shard(x, rank, world_size))  # e.g. "if not loss.isfinite(): continue"
             elif how == "micro_steps":  # windows of 2 micro-steps on rank 0, 3 on rank 1
                 with model.no_sync():
                     for _ in range(1 + rank):
-                        step(model, rank, world_size, x, y)
-                step(model, rank, world_size, x, y)
+                        shard_backward(model, rank, world_size, x, y)
+                shard_backward(model, rank, world_size, x, y)
             else:
-                step(model, rank, world_size, x, y)
+                shard_backward(model, rank, world_size, x, y)
     return outcome(loop)
 
 
@@ -99,7 +78,7 @@ def killed(rank, world_size, where):
         else:
             model.module[0].register_full_backward_hook(
                 lambda *a: os.kill(os.getpid(), signal.SIGKILL))
-    return outcome(lambda: step(model, rank, world_size, x, y))
+    return outcome(lambda: shard_backward(model, rank, world_size, x, y))
 
 
 @pytest.mark.parametrize("where", ["post_accumulate_grad_hook", "module_backward_hook"])
@@ -123,13 +102,9 @@ def stuck_after_raising(rank, world_size, flag):
         with pytest.raises(ValueError, match="bad batch"):
             model.module.register_forward_pre_hook(lambda *a: (_ for _ in ()).throw(ValueError("bad batch")))
             model(shard(x, rank, world_size))
-        deadline = time.monotonic() + 15
-        while not os.path.exists(flag) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(flag)
         return None
-    result = outcome(lambda: step(model, rank, world_size, x, y))
-    open(flag, "w").close()
-    return result
+    return outcome_then_flag(lambda: shard_backward(model, rank, world_size, x, y), flag)
 
 
 def test_rank_raising_in_forward_does_not_hang_the_others(tmp_path):
@@ -144,13 +119,9 @@ def test_rank_raising_in_forward_does_not_hang_the_others(tmp_path):
 
 def late_constructor(rank, world_size, flag):
     if rank == 1:  # never wraps its model
-        deadline = time.monotonic() + 15
-        while not os.path.exists(flag) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for(flag)
         return None
-    result = outcome(make)
-    open(flag, "w").close()
-    return result
+    return outcome_then_flag(make, flag)
 
 
 def test_construction_is_bounded(tmp_path):

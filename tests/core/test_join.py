@@ -5,8 +5,7 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync.tools.launch import run_ranks
-from helpers import assert_close_dicts, batches, mlp, params, shard
-from test_faults import TIMEOUT, Normed, faults, outcome
+from helpers import TIMEOUT, Normed, assert_close_dicts, batches, faults, mlp, outcome, params, shard, shard_backward
 
 COUNTS = {"2_more": [3, 5], "one_rank_empty": [0, 2], "three_ranks": [4, 1, 2]}
 
@@ -96,7 +95,7 @@ def join_disagree(rank, world_size):
     def body():
         with model.join():
             model.require_backward_grad_sync = rank == 0
-            F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+            shard_backward(model, rank, world_size, x, y)
     return outcome(body)
 
 

@@ -7,7 +7,7 @@ from torch import nn
 
 import gradsync
 from gradsync.tools.launch import run_ranks
-from helpers import Branches, assert_close_dicts, batches, grads, mlp, params, shard
+from helpers import Branches, assert_close_dicts, batches, grads, mlp, params, reference, reference_unused, shard
 
 
 def train_views(rank, world_size, set_to_none, replace_grad):
@@ -35,13 +35,7 @@ def train_views(rank, world_size, set_to_none, replace_grad):
 def test_gradient_as_bucket_view_is_exact_and_stays_a_view(set_to_none, replace_grad):
     results = run_ranks(train_views, 2, set_to_none, replace_grad)
     ref = mlp(seed=0)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    ref_history = []
-    for x, y in batches(4, 2):
-        opt.zero_grad()
-        F.mse_loss(ref(x), y).backward()
-        ref_history.append(grads(ref))
-        opt.step()
+    ref_history = reference(ref, batches(4, 2), opt=torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9))
     for history, is_view, final in results:
         for got, want in zip(history, ref_history):
             assert_close_dicts(got, want)
@@ -62,20 +56,6 @@ def unused(rank, world_size, pattern):
             with model.no_sync():
                 loss.backward()
     return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.module.named_parameters()}
-
-
-def reference_unused(pattern, world_size):
-    """Mean over ranks of each rank's locally accumulated gradient (zeros where unused)."""
-    total = None
-    for rank in range(world_size):
-        m = Branches()
-        for k, (x, y) in enumerate(batches(len(pattern), world_size)):
-            F.mse_loss(m(shard(x, rank, world_size), use_b=pattern[k][rank]),
-                       shard(y, rank, world_size)).backward()
-        g = {n: (p.grad if p.grad is not None else torch.zeros_like(p)) / world_size
-             for n, p in m.named_parameters() if n.split(".")[0] != "never"}
-        total = g if total is None else {n: total[n] + g[n] for n in g}
-    return total
 
 
 @pytest.mark.parametrize("case", ["all_ranks", "some_ranks", "only_under_no_sync", "none_unused"])
@@ -225,10 +205,7 @@ def mixed(rank, world_size):
 
 def test_mixed_dtypes_get_separate_buckets_and_frozen_params_are_left_alone():
     results = run_ranks(mixed, 2)
-    ref = Mixed()
-    x, y = batches(1, 2)[0]
-    F.mse_loss(ref(x), y).backward()
-    want = grads(ref)
+    want = reference(Mixed(), batches(1, 2))[0]
     for dtypes, got, frozen_grad in results:
         assert all(len(d) == 1 for d in dtypes) and len(dtypes) == 3
         assert frozen_grad is None and "frozen.weight" not in got

@@ -8,7 +8,8 @@ from torch import nn
 
 import gradsync
 from gradsync.tools.launch import run_ranks
-from helpers import assert_close_dicts, batches, count_collectives, grads, mlp, params, shard
+from helpers import (assert_close_dicts, batches, count_collectives, grads, item_counts, micro_steps, mlp, params,
+                     reference, reference_items, shard)
 
 CAPS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)  # several buckets on the small MLP
 
@@ -17,10 +18,14 @@ def lr_lambda(window):
     return 1.0 / (1 + window)
 
 
-def train_windows(rank, world_size, sync_each_batch, form, micro, steps):
+def counted(rank, steps, sync_each_batch=False):
+    """A DDP model with several buckets, the list of buckets it reduces, and an accumulator on it."""
     model = gradsync.DDP(mlp(seed=rank), **CAPS)
-    calls = count_collectives(model)
-    acc = gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=sync_each_batch)
+    return model, count_collectives(model), gradsync.GradientAccumulator(model, steps, sync_each_batch)
+
+
+def train_windows(rank, world_size, sync_each_batch, form, micro, steps):
+    model, calls, acc = counted(rank, steps, sync_each_batch)
     raw = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     raw_sched = torch.optim.lr_scheduler.LambdaLR(raw, lr_lambda)
     opt, sched = (raw, raw_sched) if form == "manual" else (acc.wrap_optimizer(raw),
@@ -52,13 +57,7 @@ def train_windows(rank, world_size, sync_each_batch, form, micro, steps):
 def reference_windows(world_size, micro, steps):
     model = mlp(seed=0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
-    data = batches(micro, world_size)
-    for start in range(0, micro, steps):
-        window = data[start:start + steps]
-        for x, y in window:
-            (F.mse_loss(model(x), y) / len(window)).backward()
-        opt.step(); sched.step(); opt.zero_grad()  # noqa: E702
+    reference(model, batches(micro, world_size), steps, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
     return params(model)
 
 
@@ -86,56 +85,17 @@ def test_windows_step_once_communicate_as_configured_and_close_at_end_of_data(sy
         assert torch.equal(p, results[1][2][name]), name
 
 
-def item_losses(model, x, y, n):
-    """A summed loss over the first ``n`` rows (like tokens that are not padding) and its count."""
-    return F.mse_loss(model(x[:n]), y[:n], reduction="sum"), n
-
-
-def item_counts(micro, world_size, rows, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    counts = torch.randint(0, rows + 1, (micro, world_size), generator=g)
-    counts[:, 0].clamp_(min=1)  # rank 0 has an item in every micro-step: no window sums to zero
-    return counts.tolist()
-
-
 def train_items(rank, world_size, sync_each_batch, micro, steps, rows):
-    model = gradsync.DDP(mlp(seed=rank), **CAPS)
-    calls = count_collectives(model)
-    acc = gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=sync_each_batch)
+    model, calls, acc = counted(rank, steps, sync_each_batch)
     opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    counts = item_counts(micro, world_size, rows)
-    window_grads, comm = [], []
-    for k, (x, y) in enumerate(acc.iterate(batches(micro, world_size, per_rank=rows))):
-        n_calls = len(calls)
-        with acc.accumulate():
-            n = counts[k][rank]
-            loss, n = item_losses(model, shard(x, rank, world_size), shard(y, rank, world_size), n)
-            acc.backward(loss, num_items=torch.tensor(n) if k % 2 else n)  # ints and tensors
-            if acc.is_boundary:
-                window_grads.append(grads(model.module))
-            opt.step()
-            opt.zero_grad()
-        comm.append(len(calls) - n_calls)
+    window_grads, comm, seen = [], [], 0
+    for _ in micro_steps(model, acc, opt, rank, world_size, batches(micro, world_size, per_rank=rows),
+                         item_counts(micro, world_size, rows)):
+        comm.append(len(calls) - seen)  # only backward communicates
+        seen = len(calls)
+        if acc.is_boundary:
+            window_grads.append(grads(model.module))
     return window_grads, comm, len(model.reducer.buckets), params(model.module)
-
-
-def reference_items(world_size, micro, steps, rows):
-    model = mlp(seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    counts = item_counts(micro, world_size, rows)
-    data = batches(micro, world_size, per_rank=rows)
-    window_grads = []
-    for start in range(0, micro, steps):
-        total = sum(sum(counts[k]) for k in range(start, min(start + steps, micro)))
-        for k in range(start, min(start + steps, micro)):
-            x, y = data[k]
-            for r in range(world_size):
-                loss, _ = item_losses(model, shard(x, r, world_size), shard(y, r, world_size), counts[k][r])
-                (loss / total).backward()
-        window_grads.append(grads(model))
-        opt.step()
-        opt.zero_grad()
-    return window_grads, params(model)
 
 
 @pytest.mark.parametrize("sync_each_batch", [False, True])
@@ -158,14 +118,9 @@ def train_torch_ddp(rank, world_size, micro, steps, rows):
     for model in (gradsync.DDP(mlp(seed=rank)), nn.parallel.DistributedDataParallel(mlp(seed=rank))):
         acc = gradsync.GradientAccumulator(model, steps=steps)
         opt = acc.wrap_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
-        counts = item_counts(micro, world_size, rows)
-        for k, (x, y) in enumerate(acc.iterate(batches(micro, world_size, per_rank=rows))):
-            with acc.accumulate():
-                loss, n = item_losses(model, shard(x, rank, world_size), shard(y, rank, world_size),
-                                      counts[k][rank])
-                acc.backward(loss, num_items=n)
-                opt.step()
-                opt.zero_grad()
+        for _ in micro_steps(model, acc, opt, rank, world_size, batches(micro, world_size, per_rank=rows),
+                             item_counts(micro, world_size, rows)):
+            pass
         out.append(params(model.module))
     return out
 
@@ -178,9 +133,8 @@ def test_same_result_on_torch_ddp_in_the_same_process_group():
 def uneven_data(rank, world_size):
     model = gradsync.DDP(mlp(seed=0), timeout=5)
     acc = gradsync.GradientAccumulator(model, steps=2)
-    for x, y in acc.iterate(batches(4 - rank, world_size)):  # rank 1 runs out of data early
-        with acc.accumulate():
-            acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+    for _ in micro_steps(model, acc, None, rank, world_size, batches(4 - rank, world_size)):  # rank 1 ends early
+        pass
 
 
 def test_ranks_with_different_amounts_of_data_fail_instead_of_stepping_apart():
@@ -190,9 +144,7 @@ def test_ranks_with_different_amounts_of_data_fail_instead_of_stepping_apart():
 
 
 def train_split(rank, world_size, rows, n, windows):
-    model = gradsync.DDP(mlp(seed=rank), **CAPS)
-    calls = count_collectives(model)
-    acc = gradsync.GradientAccumulator(model, steps=99)  # split() decides the window's length
+    model, calls, acc = counted(rank, steps=99)  # split() decides the window's length
     opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     loader = [(shard(x, rank, world_size), shard(y, rank, world_size))
               for x, y in batches(windows, world_size, per_rank=rows)]
@@ -211,11 +163,7 @@ def train_split(rank, world_size, rows, n, windows):
 def test_split_runs_a_large_batch_as_one_window_and_syncs_its_last_micro_batch():
     world_size, rows, n, windows = 2, 7, 3, 2  # 7 rows in 3 micro-batches: uneven, still exact
     ref = mlp(seed=0)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in batches(windows, world_size, per_rank=rows):
-        F.mse_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    reference(ref, batches(windows, world_size, per_rank=rows), opt=torch.optim.SGD(ref.parameters(), lr=0.1))
     for comm, sizes, n_buckets, final in run_ranks(train_split, world_size, rows, n, windows):
         assert comm == [0, 0, n_buckets] * windows
         assert sizes == [3, 2, 2] * windows

@@ -1,12 +1,10 @@
 """The accumulator drives every wrapper the same way: sharded models, num_items, both sync modes."""
 import pytest
 import torch
-import torch.nn.functional as F
 
 import gradsync
 from gradsync.tools.launch import run_ranks
-from helpers import assert_close_dicts, batches, mlp, params, shard
-from test_accumulate import item_counts, item_losses, reference_items
+from helpers import assert_close_dicts, batches, item_counts, micro_steps, mlp, params, reference, reference_items
 
 CAPS = dict(bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
 
@@ -15,16 +13,10 @@ def sharded_items(rank, world_size, sync_each_batch, micro, steps, rows):
     model = gradsync.ShardedDataParallel(mlp(seed=rank), **CAPS)
     acc = gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=sync_each_batch)
     opt = acc.wrap_optimizer(gradsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1))
-    counts = item_counts(micro, world_size, rows)
-    moved = []
-    for k, (x, y) in enumerate(acc.iterate(batches(micro, world_size, per_rank=rows))):
-        before = params(model.module)
-        with acc.accumulate():
-            loss, n = item_losses(model, shard(x, rank, world_size), shard(y, rank, world_size), counts[k][rank])
-            acc.backward(loss, num_items=n)
-            opt.step()
-            opt.zero_grad()
-        moved.append(any(not torch.equal(before[p], v) for p, v in params(model.module).items()))
+    seen = [params(model.module)  # before each micro-step's optimizer step, then at the end
+            for _ in micro_steps(model, acc, opt, rank, world_size, batches(micro, world_size, per_rank=rows),
+                                 item_counts(micro, world_size, rows))] + [params(model.module)]
+    moved = [any(not torch.equal(a[p], b[p]) for p in a) for a, b in zip(seen, seen[1:])]
     return moved, params(model.module)
 
 
@@ -46,11 +38,8 @@ def sharded_mean_loss(rank, world_size, sync_each_batch, micro, steps):
     model = gradsync.ShardedDataParallel(mlp(seed=rank), **CAPS)
     acc = gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=sync_each_batch)
     opt = acc.wrap_optimizer(gradsync.ShardedOptimizer(model, torch.optim.AdamW, lr=0.01))
-    for x, y in acc.iterate(batches(micro, world_size)):
-        with acc.accumulate():
-            acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
-            opt.step()
-            opt.zero_grad()
+    for _ in micro_steps(model, acc, opt, rank, world_size, batches(micro, world_size)):
+        pass
     return params(model.module)
 
 
@@ -59,13 +48,6 @@ def test_sharded_model_with_mean_losses_equals_one_process(sync_each_batch):
     micro, steps = 10, 4  # optimizer steps after 4, 8 and 10
     results = run_ranks(sharded_mean_loss, 2, sync_each_batch, micro, steps)
     model = mlp(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    data = batches(micro, 2)
-    for start in range(0, micro, steps):
-        window = data[start:start + steps]
-        for x, y in window:
-            (F.mse_loss(model(x), y) / len(window)).backward()
-        opt.step()
-        opt.zero_grad()
+    reference(model, batches(micro, 2), steps, torch.optim.AdamW(model.parameters(), lr=0.01))
     for final in results:
         assert_close_dicts(final, params(model))

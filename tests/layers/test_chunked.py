@@ -5,12 +5,11 @@ import weakref
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import gradsync
 from gradsync.tools.launch import run_ranks
-from helpers import assert_close_dicts, batches, grads, shard
+from helpers import assert_close_dicts, batches, grads, micro_steps, reference
 
 
 def block(seed=0, width=16, dropout=0.0):
@@ -188,30 +187,16 @@ def train_chunked(rank, world_size, chunks, steps):
                          first_bucket_cap_mb=0.0005)
     acc = gradsync.GradientAccumulator(model, steps=steps)
     opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    history = []
-    for x, y in acc.iterate(batches(2 * steps, world_size, per_rank=5)):
-        with acc.accumulate():
-            acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
-            if acc.is_boundary:
-                history.append(grads(model.module))
-            opt.step()
-            opt.zero_grad()
-    return history
+    return [grads(model.module) for _ in micro_steps(model, acc, opt, rank, world_size,
+                                                     batches(2 * steps, world_size, per_rank=5))
+            if acc.is_boundary]
 
 
 @pytest.mark.parametrize("steps", [1, 3])
 def test_under_ddp_with_two_ranks_and_no_sync_gradients_match_one_unchunked_process(steps):
     world_size = 2
     ref = model_with_block(seed=0)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    data = batches(2 * steps, world_size, per_rank=5)
-    want = []
-    for w in range(2):
-        for x, y in data[w * steps:(w + 1) * steps]:
-            (F.mse_loss(ref(x), y) / steps).backward()
-        want.append(grads(ref))
-        opt.step()
-        opt.zero_grad()
+    want = reference(ref, batches(2 * steps, world_size, per_rank=5), steps, torch.optim.SGD(ref.parameters(), lr=0.1))
     for history in run_ranks(train_chunked, world_size, 3, steps):
         assert len(history) == 2
         for got, expected in zip(history, want):

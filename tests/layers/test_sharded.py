@@ -32,17 +32,27 @@ def optimizers(kind, ours, theirs):
             torch.optim.AdamW(groups(theirs), lr=0.01))
 
 
-def micro_step(m, x, y, sync, how):
-    """One micro-step's backward; ``how`` picks the way sync is switched off."""
+def micro_step(m, x, y, sync, how, *extra):
+    """One micro-step's backward of ``m(x, *extra)``; ``how`` picks the way sync is switched off."""
     if sync or how == "sync_each_batch":
-        (F.mse_loss(m(x), y) / K).backward()
+        (F.mse_loss(m(x, *extra), y) / K).backward()
     elif how == "require_backward_grad_sync":
         m.require_backward_grad_sync = False
-        (F.mse_loss(m(x), y) / K).backward()
+        (F.mse_loss(m(x, *extra), y) / K).backward()
         m.require_backward_grad_sync = True
     else:
         with m.no_sync():
-            (F.mse_loss(m(x), y) / K).backward()
+            (F.mse_loss(m(x, *extra), y) / K).backward()
+
+
+def window(w, data, rank, world_size, runs, *extra):
+    """The K micro-steps of window ``w`` on this rank's shards, the last one synced, for each
+    (model, how) of ``runs`` in turn."""
+    for m in range(K):
+        x, y = data[w * K + m]
+        xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+        for net, how in runs:
+            micro_step(net, xs, ys, m == K - 1, how, *extra)
 
 
 def against_torch(rank, world_size, kind, how, windows):
@@ -52,12 +62,7 @@ def against_torch(rank, world_size, kind, how, windows):
     sched_a, sched_b = (torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.7) for o in (opt_a, opt_b))
     data = batches(windows * K, world_size, per_rank=4)
     for w in range(windows):
-        for m in range(K):
-            x, y = data[w * K + m]
-            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
-            last = m == K - 1
-            micro_step(ours, xs, ys, last, how)
-            micro_step(theirs, xs, ys, last, "no_sync")
+        window(w, data, rank, world_size, [(ours, how), (theirs, "no_sync")])
         assert all(p.grad is None for p in ours.module.parameters())  # full-size grads released
         assert all(b.buffer is None for b in ours.reducer.buckets)  # staging buffers freed
         for opt, sched in ((opt_a, sched_a), (opt_b, sched_b)):
@@ -111,9 +116,7 @@ def checkpoint_run(rank, world_size, path, phase):
             ckpt = {"model": ours.module.state_dict(), "optim": opt.state_dict()}
             if rank == 0:
                 torch.save(ckpt, path)
-        for m in range(K):
-            x, y = data[w * K + m]
-            micro_step(ours, shard(x, rank, world_size), shard(y, rank, world_size), m == K - 1, "no_sync")
+        window(w, data, rank, world_size, [(ours, "no_sync")])
         opt.step()
         opt.zero_grad()
     return params(ours.module)
@@ -142,11 +145,7 @@ def clipping(rank, world_size, how):
     data = batches(3 * K, world_size, per_rank=4)
     norms = []
     for w, norm_type in enumerate((2.0, float("inf"), 1.0)):
-        for m in range(K):
-            x, y = data[w * K + m]
-            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
-            micro_step(ours, xs, ys, m == K - 1, how)
-            micro_step(theirs, xs, ys, m == K - 1, "no_sync")
+        window(w, data, rank, world_size, [(ours, how), (theirs, "no_sync")])
         ours.scale_grads_(1.5)  # what the accumulator calls; must reach the shards
         for p in theirs.parameters():
             p.grad.mul_(1.5)
@@ -198,16 +197,7 @@ def unused_and_mixed(rank, world_size, how):
     assert dtypes == {torch.float32, torch.float64}, dtypes
     data = batches(3 * K, world_size, per_rank=4)
     for w in range(3):
-        for m in range(K):
-            x, y = data[w * K + m]
-            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
-            for net, mode in ((ours, how), (theirs, "no_sync")):
-                sync = m == K - 1
-                if sync or mode == "sync_each_batch":
-                    (F.mse_loss(net(xs, rank == 0), ys) / K).backward()
-                else:
-                    with net.no_sync():
-                        (F.mse_loss(net(xs, rank == 0), ys) / K).backward()
+        window(w, data, rank, world_size, [(ours, how), (theirs, "no_sync")], rank == 0)
         for opt in (opt_a, opt_b):
             opt.step()
             opt.zero_grad()
