@@ -189,6 +189,7 @@ def plot(result: dict, args) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from .bench.plots import plain_log_labels
     except ImportError:
         print("  (loss curve skipped: matplotlib is not installed; `pip install matplotlib`)")
         return
@@ -196,15 +197,18 @@ def plot(result: dict, args) -> None:
     fig, ax = plt.subplots(figsize=(6, 3.5))
     steps_per_epoch = len(result["losses"]) / args.epochs
     ax.plot(range(1, len(result["losses"]) + 1), result["losses"], label="training loss (rank 0)")
-    ax.set(xlabel="optimizer step", ylabel="cross-entropy", yscale="log",
-           title=f"gradsync demo: {result['world']} ranks, accumulation {args.accum}")
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy", yscale="log")
+    plain_log_labels(ax.yaxis)
+    ax.set_title(f"gradsync demo: {result['world']} ranks, accumulation {args.accum}", pad=22)  # room for the legend
     acc_ax = ax.twinx()
     acc_ax.plot([steps_per_epoch * (e + 1) for e in range(args.epochs)], result["accuracy"], "o-",
                 color="tab:green", label="held-out accuracy")
-    acc_ax.set(ylabel="accuracy", ylim=(0, 1))
+    acc_ax.set(ylabel="accuracy", ylim=(0, 1.05))
+    # one legend for both axes, in a row between the title and the axes: it never covers a curve
+    lines = ax.get_lines() + acc_ax.get_lines()
+    ax.legend(lines, [line.get_label() for line in lines], loc="lower center", bbox_to_anchor=(0.5, 1.0),
+              ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.subplots_adjust(bottom=0.27)
-    fig.legend(loc="lower center", ncol=2, fontsize=8, frameon=False)
     path = os.path.join(args.out, "loss.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -1,9 +1,10 @@
-"""Turn a ``gradsync bench`` record into a markdown report and PNG plots."""
+"""Turn a ``gradsync bench`` record into a markdown report (the PNG plots are drawn by ``plots``)."""
 from __future__ import annotations
 
 import os
 
-MiB = 1024 * 1024
+from .plots import MiB, draw
+
 TARGET_RATIO = 1.05
 TARGET_SAVING = 0.9
 
@@ -12,9 +13,9 @@ def _ms(x: float) -> str:
     return f"{1e3 * x:.1f}"
 
 
-def ratio_table(record: dict) -> str:
+def ratio_table(record: dict, engines: list[str] | None = None) -> str:
     """The step-time table: median (min-max) ms per engine and the paired ratio to torch's DDP."""
-    engines = [e for e in record["engines"] if e != "torch"]
+    engines = engines or [e for e in record["engines"] if e != "torch"]
     head = "| model | accum | torch ms | " + " | ".join(f"{e} ms | {e} / torch" for e in engines) + " |"
     lines = [head, "|" + "---|" * (3 + 2 * len(engines))]
     for row in record["models"]:
@@ -101,7 +102,7 @@ def _targets(record: dict) -> list[str]:
         ok = "met" if abs(b - row["grad_bytes"]) < 1 else "NOT met"
         out.append(f"- gradient bytes all-reduced per window, {row['model']} accumulation {row['accum']}: "
                    f"{b / row['grad_bytes']:.3f} x the gradient (target exactly 1): {ok}")
-    for m in _memory_rows(record):
+    for m in memory_savings(record):
         if m["engine"] == "gradsync":
             ok = "met" if m["saving"] >= TARGET_SAVING else "NOT met"
             out.append(f"- gradient-view saving, set_to_none={m['set_to_none']}: {m['saving']:.2f} of one "
@@ -109,7 +110,8 @@ def _targets(record: dict) -> list[str]:
     return out
 
 
-def _memory_rows(record: dict) -> list[dict]:
+def memory_savings(record: dict) -> list[dict]:
+    """The rows with gradient views, each with its saving in gradient copies against the row without."""
     rows = record.get("memory", [])
     base = {(r["engine"], r["set_to_none"]): r["peak_bytes"] for r in rows if not r["view"]}
     out = []
@@ -122,7 +124,7 @@ def _memory_rows(record: dict) -> list[dict]:
 
 def write(record: dict, out_dir: str, stem: str) -> str:
     """Write ``<stem>.md`` (and PNG plots when matplotlib is installed); return the markdown path."""
-    plots = _plots(record, out_dir, stem)
+    plots = draw(record, out_dir, stem)
     m, w = record["machine"], record["world"]
     md = [f"# gradsync bench, {record['date']}", "",
           f"{w} gloo ranks (1 thread each) on {m['cpu']}, {m['cores']} cores; torch {m['torch']}, "
@@ -223,7 +225,7 @@ def _profile_section(record: dict) -> list[str]:
 
 def _memory_section(record: dict) -> list[str]:
     rows = record["memory"]
-    savings = {(r["engine"], r["set_to_none"]): r["saving"] for r in _memory_rows(record)}
+    savings = {(r["engine"], r["set_to_none"]): r["saving"] for r in memory_savings(record)}
     grad = rows[0]["grad_bytes"]
     md = [f"## Steady-state peak memory ({record.get('memory_model', '')}, one gradient copy = "
           f"{grad / MiB:.0f} MiB)", "",
@@ -238,65 +240,3 @@ def _memory_section(record: dict) -> list[str]:
         md.append(f"| {r['engine']} | {r['view']} | {r['set_to_none']} | {r['peak_bytes'] / MiB:.0f} | "
                   f"{'' if s is None else f'{s:.2f}'} |")
     return md + [""]
-
-
-def _plots(record: dict, out_dir: str, stem: str) -> dict[str, str]:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return {}
-    paths = {}
-    if record["sweep"]:
-        fig, ax = plt.subplots(figsize=(6, 4))
-        xs = [r["params"] for r in record["sweep"]]
-        for e in record["sweep"][0]["times"]:
-            med = [1e3 * r["times"][e]["median"] for r in record["sweep"]]
-            lo = [m - 1e3 * r["times"][e]["min"] for m, r in zip(med, record["sweep"])]
-            hi = [1e3 * r["times"][e]["max"] - m for m, r in zip(med, record["sweep"])]
-            ax.errorbar(xs, med, yerr=[lo, hi], marker="o", capsize=3, label=e)
-        ax.set(xscale="log", yscale="log", xlabel="parameters", ylabel="step time, ms (median, min-max)",
-               title=f"MLP step time vs size, {record['world']} gloo ranks")
-        ax.legend()
-        paths["step time vs model size"] = _save(fig, out_dir, stem + "-steptime.png")
-    if record["memory"]:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        rows = record["memory"]
-        labels = [f"{r['engine']}\n{'view' if r['view'] else 'no view'}\n{'to None' if r['set_to_none'] else 'to zeros'}"
-                  for r in rows]
-        colors = ["tab:blue" if r["engine"] == "gradsync" else "tab:orange" if r["engine"] == "torch" else "tab:green"
-                  for r in rows]
-        ax.bar(range(len(rows)), [r["peak_bytes"] / MiB for r in rows], color=colors)
-        ax.set_xticks(range(len(rows)), labels, fontsize=7)
-        ax.set(ylabel="peak RSS above baseline, MiB",
-               title=f"steady-state peak memory, {record.get('memory_model')} (zero_grad to None / to zeros)")
-        paths["peak memory"] = _save(fig, out_dir, stem + "-memory.png")
-    traced = [r for r in record["models"] if r.get("trace")]
-    if traced:
-        row = max(traced, key=lambda r: (r["grad_bytes"], -r["accum"]))
-        it = row["trace"][-1]
-        t0 = it["backward_start"]
-        fig, ax = plt.subplots(figsize=(7, 2.2 + 0.3 * len(it["buckets"])))
-        for b in it["buckets"]:
-            if {"launch", "done"} <= b.keys():
-                ax.barh(b["index"], 1e3 * (b["done"] - b["launch"]), left=1e3 * (b["launch"] - t0), color="tab:blue")
-            if "ready" in b:
-                ax.plot(1e3 * (b["ready"] - t0), b["index"], "k|", markersize=12)
-        ax.axvline(1e3 * (it["backward_end"] - t0), color="tab:red", linestyle="--", label="backward returns")
-        ax.set_yticks([b["index"] for b in it["buckets"]])
-        ax.set(xlabel="ms since the first gradient hook", ylabel="bucket",
-               title=f"gradsync buckets, {row['model']} (| ready, bar: launch..done)")
-        ax.invert_yaxis()
-        ax.legend(loc="lower right", fontsize=7)
-        paths["per-bucket timeline"] = _save(fig, out_dir, stem + "-timeline.png")
-    return paths
-
-
-def _save(fig, out_dir: str, name: str) -> str:
-    import matplotlib.pyplot as plt
-    path = os.path.join(out_dir, name)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
