@@ -17,8 +17,8 @@ def make(buffers=False, **kw):
 
 
 def wait_for(flag):
-    """Stay alive, neither finishing nor dying, until the other rank is done (at most 15 s)."""
-    deadline = time.monotonic() + 15
+    """Stay alive, neither finishing nor dying, until the other rank is done (at most 60 s)."""
+    deadline = time.monotonic() + 60
     while not os.path.exists(flag) and time.monotonic() < deadline:
         time.sleep(0.05)
 
