@@ -21,7 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .sharded import ShardedDataParallel, _all_gather
+from .sharded import ShardedDataParallel
+from .sharded_reducer import all_gather
 
 
 class _Piece:
@@ -148,7 +149,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if master is not own:
                 own.copy_(master)
             if reducer.world_size > 1:
-                works.append((b, _all_gather(b.flat_param, own, group=reducer.group, async_op=True)))
+                works.append((b, all_gather(b.flat_param, own, group=reducer.group, async_op=True)))
         for b, work in works:
             reducer.wait(work, f"the parameter all-gather of bucket {b.index}")
         return loss

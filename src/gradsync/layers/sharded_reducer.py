@@ -1,0 +1,222 @@
+"""ZeRO-2-style sharded gradients: reduce-scatter per bucket into a gradient shard per rank.
+
+``ShardedReducer`` reuses the reducer's state machine (readiness hooks, in-order launches,
+end-of-backward control check) and changes only what happens to a bucket. Parameters live in
+one flat buffer per bucket, padded so that it splits into ``world_size`` equal shards; rank r
+owns shard r. In a synced backward each parameter's gradient is copied into a staging buffer
+for its bucket and ``.grad`` is released; a full bucket is divided by the world size and
+reduce-scattered, and the result is added to this rank's shard accumulator (fp32 or wider).
+Staging buffers live only while their bucket is being filled or reduced, so gradient memory
+is about 1/W of the model plus a few buckets. Under ``no_sync`` gradients accumulate at full
+size in ``.grad`` and are reduce-scattered once, at the next synced backward.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core.control import check_grad
+from ..core.reducer import Reducer
+from ..core.storage import Bucket
+
+# torch 2.13 renamed the *_tensor collectives; older releases (>= 2.4) only have the old names
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass
+class ShardedBucket(Bucket):
+    offsets: list[int] = field(default_factory=list)  # members' offsets in the flat buffers
+    numel: int = 0  # padded: a multiple of the world size
+    flat_param: torch.Tensor | None = None  # parameters are views of this
+    grad_shard: torch.Tensor | None = None  # this rank's averaged gradient, accumulated
+    out: torch.Tensor | None = None  # reduce-scatter output while in flight
+
+    @property
+    def shard_numel(self) -> int:
+        return self.grad_shard.numel()
+
+
+class ShardedReducer(Reducer):
+    """Reducer whose buckets are reduce-scattered into per-rank gradient shards."""
+
+    # reduce-scatters in flight at once (backward waits for the oldest before launching another):
+    # staging memory is about max_inflight + 1 buckets; 1 overlaps one bucket's reduce-scatter
+    # with the backward that fills the next bucket
+    max_inflight = 1
+
+    def __init__(self, params, names, process_group, **kwargs):
+        if kwargs.get("gradient_as_bucket_view"):
+            raise ValueError(
+                "gradsync: ShardedDataParallel does not take gradient_as_bucket_view=True: gradients "
+                "are copied into short-lived staging buckets and released, so there is no full-size "
+                "gradient to view. Leave it False."
+            )
+        self._inflight: deque[ShardedBucket] = deque()
+        super().__init__(params, names, process_group, **kwargs)
+        self._rebuilt = True  # parameters live in bucket-shaped buffers: never re-plan the buckets
+        self.has_grad = [False] * len(self.params)  # got a gradient (on some rank) since zero_grad
+        self.partial = False  # a synced backward failed: the shards may hold part of its sum
+        self._partial_before = False
+        self.staging_bytes = 0
+        self.peak_staging_bytes = 0
+
+    # ---------------------------------------------------------------- layout
+    def _build_buckets(self, plan: list[list[int]]) -> None:
+        if getattr(self, "buckets", None):
+            raise RuntimeError("gradsync: sharded buckets cannot be rebuilt")
+        n = len(self.params)
+        self.buckets: list[ShardedBucket] = []
+        self._views = [None] * n
+        self._bucket_of = [0] * n
+        self._offset_of = [0] * n
+        for b, members in enumerate(plan):
+            first = self.params[members[0]]
+            total = sum(self.params[i].numel() for i in members)
+            padded = -(-total // self.world_size) * self.world_size
+            flat = torch.zeros(padded, dtype=first.dtype, device=first.device)
+            offsets, offset = [], 0
+            for i in members:
+                p = self.params[i]
+                view = flat[offset:offset + p.numel()].view(p.shape)
+                view.copy_(p.detach())
+                p.data = view  # the post-step all-gather then writes the parameters in place
+                self._bucket_of[i], self._offset_of[i] = b, offset
+                offsets.append(offset)
+                offset += p.numel()
+            acc_dtype = torch.promote_types(first.dtype, torch.float32)
+            grad_shard = torch.zeros(padded // self.world_size, dtype=acc_dtype, device=first.device)
+            self.buckets.append(ShardedBucket(b, list(members), None, [], offsets=offsets, numel=padded,
+                                              flat_param=flat, grad_shard=grad_shard))
+        self._param_ptrs = [p.data_ptr() for p in self.params]
+
+    def _bucket_nbytes(self, bucket: ShardedBucket) -> int:
+        return bucket.numel * bucket.flat_param.element_size()
+
+    def _staged_nbytes(self, bucket: ShardedBucket) -> int:
+        return sum(t.numel() * t.element_size() for t in (bucket.buffer, bucket.out) if t is not None)
+
+    def _track(self, delta: int) -> None:
+        """Account staging memory (buckets being filled or reduced), for benchmarks and tests."""
+        self.staging_bytes += delta
+        self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
+
+    def check_params_in_place(self) -> None:
+        """Raise if a parameter no longer lives in its bucket's flat buffer."""
+        moved = [self.names[i] for i, p in enumerate(self.params) if p.data_ptr() != self._param_ptrs[i]]
+        if moved:
+            raise RuntimeError(
+                f"gradsync: parameter(s) {', '.join(moved[:10])} no longer live in ShardedDataParallel's "
+                "flat buffers (the module was moved with .to()/.cuda(), or parameter data was replaced). "
+                "Updates would not reach them; move or change the module before wrapping it."
+            )
+
+    # ---------------------------------------------------------------- backward
+    def _begin_backward(self) -> None:
+        self._inflight.clear()
+        self._partial_before = self.partial
+        super()._begin_backward()
+        if self._syncing:
+            self.partial = True  # until this backward's end-of-backward check passes
+
+    def _copy_to_bucket(self, i: int) -> None:
+        bucket = self.buckets[self._bucket_of[i]]
+        if bucket.buffer is None:
+            bucket.buffer = torch.empty_like(bucket.flat_param)
+            end = bucket.offsets[-1] + self.params[bucket.members[-1]].numel()
+            bucket.buffer[end:].zero_()  # padding
+            self._track(self._bucket_nbytes(bucket))
+        p = self.params[i]
+        view = bucket.buffer[self._offset_of[i]:self._offset_of[i] + p.numel()].view(p.shape)
+        grad = p.grad
+        if grad is None:
+            view.zero_()
+        else:
+            check_grad(grad, view, self.names[i])
+            view.copy_(grad)
+            p.grad = None  # the full-size gradient is not kept: its bucket holds it until reduced
+
+    def _launch(self, bucket: ShardedBucket) -> None:
+        if self._iter_trace is not None:
+            bucket.times["launch"] = time.perf_counter()
+        while self._inflight and len(self._inflight) >= self.max_inflight:
+            self._fold(self._inflight.popleft())  # before allocating this bucket's output
+        bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
+        bucket.out = torch.empty(bucket.shard_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
+        self._track(self._staged_nbytes(bucket) - self._bucket_nbytes(bucket))
+        bucket.handle = _reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
+        self._inflight.append(bucket)
+
+    def _fold(self, bucket: ShardedBucket) -> None:
+        """Wait for ``bucket``'s reduce-scatter, add it to the shard and free the staging buffers."""
+        self.wait(bucket.handle, f"bucket {bucket.index}")
+        if self._iter_trace is not None:  # gloo's reduce-scatter has no future: time the wait's end
+            bucket.times["done"] = time.perf_counter()
+        bucket.grad_shard.add_(bucket.out)
+        self._track(-self._staged_nbytes(bucket))
+        bucket.buffer = bucket.out = bucket.handle = None
+
+    # ---------------------------------------------------------------- end of backward
+    def _wait_bucket(self, bucket: ShardedBucket) -> None:
+        while bucket.handle is not None and self._inflight:
+            self._fold(self._inflight.popleft())
+        return None
+
+    def _write_back(self, bucket: ShardedBucket, result: Any, counts: list[int]) -> None:
+        for i in bucket.members:
+            if counts[i] > 0:  # unused on every rank: like torch, the optimizer skips it
+                self.has_grad[i] = True
+
+    def _finish_sync(self) -> None:
+        super()._finish_sync()
+        self.partial = self._partial_before  # only zero_grad() clears an earlier failure
+
+    def _reset_iteration(self) -> None:
+        super()._reset_iteration()
+        self._inflight.clear()
+        for b in self.buckets:
+            self._track(-self._staged_nbytes(b))
+            b.buffer = b.out = b.handle = None
+
+    # ---------------------------------------------------------------- gradient shards
+    def shard_range(self, bucket: ShardedBucket) -> tuple[int, int]:
+        """Return the [start, end) range of ``bucket``'s flat buffer that this rank owns."""
+        size = bucket.shard_numel
+        return self.rank * size, (self.rank + 1) * size
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for b in self.buckets:
+            b.grad_shard.zero_()
+        if set_to_none:
+            self.has_grad = [False] * len(self.params)
+        self.partial = False
+        for p in self.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    p.grad.detach_().zero_()
+
+    def check_ready_to_step(self) -> None:
+        """Raise unless the shards hold a complete, synchronized gradient."""
+        if self.partial:
+            raise RuntimeError(
+                "gradsync: the last synchronizing backward failed part-way, so the gradient shards are "
+                "incomplete. Call optimizer.zero_grad() and redo the accumulation window."
+            )
+        pending = [self.names[i] for i, p in enumerate(self.params) if p.grad is not None]
+        if pending:
+            raise RuntimeError(
+                f"gradsync: {len(pending)} parameter(s) (e.g. '{pending[0]}') hold gradients from "
+                "micro-steps under no_sync() that were not reduce-scattered yet. Run the window's last "
+                "backward with gradient sync enabled before optimizer.step()."
+            )
+        self.check_params_in_place()
+
+
+__all__ = ["ShardedBucket", "ShardedReducer", "all_gather"]
