@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .buckets import plan_buckets
 from .comm import CommHook
+from .graph import reachable_params
 from .control import check_agreement, check_finite, check_missing, control_tensor, used_counts
 from .launcher import BucketLauncher
 from .storage import BucketStorage
@@ -111,24 +112,7 @@ class Reducer(BucketStorage, BucketLauncher):
         self._armed = bool(sync)
         self.forward_count += training
         if self.find_unused_parameters and not (self.static_graph and self._static_counts is not None):
-            self._reachable |= self._reachable_params(outputs)
-
-    def _reachable_params(self, outputs: Any) -> set[int]:
-        stack = [t.grad_fn for t in _tensors(outputs) if t.grad_fn is not None]
-        seen: set = set()
-        found: set[int] = set()
-        while stack:
-            fn = stack.pop()
-            if fn in seen:
-                continue
-            seen.add(fn)
-            var = getattr(fn, "variable", None)
-            if var is not None:
-                i = self._index_of.get(id(var))
-                if i is not None:
-                    found.add(i)
-            stack.extend(nf for nf, _ in fn.next_functions if nf is not None)
-        return found
+            self._reachable |= reachable_params(outputs, self._index_of)
 
     # ---------------------------------------------------------------- backward side
     def on_grad_ready(self, i: int, param: torch.Tensor) -> None:
@@ -304,17 +288,3 @@ def _hook(reducer: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
         if me is not None:  # once the wrapper is gone, its parameters train locally
             me.on_grad_ready(i, param)
     return hook
-
-
-def _tensors(obj: Any):
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
-    elif hasattr(obj, "__dataclass_fields__"):
-        for name in obj.__dataclass_fields__:
-            yield from _tensors(getattr(obj, name))
