@@ -46,3 +46,11 @@ def test_huge_cap_gives_one_bucket():
 def test_bad_arguments(bad):
     with pytest.raises(ValueError):
         plan_buckets(floats(1, 2), **bad)
+
+
+def test_a_list_of_caps_gives_each_bucket_its_own_cap():
+    params = floats(*[MiB // 4] * 7)  # 1 MiB each in fp32
+    plan = plan_buckets(params, bucket_cap_mb=[1, 2, 3], first_bucket_cap_mb=1)
+    assert plan == [[6], [5, 4], [3, 2, 1], [0]]  # the last cap repeats
+    with pytest.raises(ValueError):
+        plan_buckets(params, bucket_cap_mb=[1, 0])

@@ -13,7 +13,7 @@ MiB = 1024 * 1024
 
 def plan_buckets(
     params: Sequence[torch.Tensor],
-    bucket_cap_mb: float = 25.0,
+    bucket_cap_mb: float | Sequence[float] = 25.0,
     first_bucket_cap_mb: float = 1.0,
     order: Sequence[int] | None = None,
 ) -> list[list[int]]:
@@ -23,10 +23,13 @@ def plan_buckets(
     backward usually produces gradients), grouped by (dtype, device), and a group's bucket is
     closed once it reaches its cap: ``first_bucket_cap_mb`` for the first bucket of the plan,
     ``bucket_cap_mb`` after that. The small first bucket lets communication start early in backward.
+    A sequence ``bucket_cap_mb`` (torch's ``bucket_cap_mb_list``) gives each bucket of the plan
+    its own cap, the last one repeating; ``first_bucket_cap_mb`` still caps the first.
     Buckets are ordered by the position of their first parameter in the walk, so bucket 0 is the
     one expected to be ready first.
     """
-    if bucket_cap_mb <= 0 or first_bucket_cap_mb <= 0:
+    caps = list(bucket_cap_mb) if isinstance(bucket_cap_mb, Sequence) else [bucket_cap_mb]
+    if not caps or min(caps) <= 0 or first_bucket_cap_mb <= 0:
         raise ValueError(
             f"bucket caps must be positive, got bucket_cap_mb={bucket_cap_mb}, "
             f"first_bucket_cap_mb={first_bucket_cap_mb}"
@@ -37,8 +40,7 @@ def plan_buckets(
     if sorted(order) != list(range(len(params))):
         raise ValueError("order must be a permutation of the parameter indices")
 
-    first_cap = first_bucket_cap_mb * MiB
-    cap = bucket_cap_mb * MiB
+    limits = [first_bucket_cap_mb * MiB] + [c * MiB for c in (caps[1:] or caps)]  # bucket k's cap
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
     closed: list[tuple[int, list[int]]] = []  # (position of first member in the walk, members)
     first_pos: dict[tuple[torch.dtype, torch.device], int] = {}
@@ -51,7 +53,7 @@ def plan_buckets(
             first_pos[key] = pos
         members.append(i)
         size += p.numel() * p.element_size()
-        limit = first_cap if not closed else cap
+        limit = limits[min(len(closed), len(limits) - 1)]
         if size >= limit:
             closed.append((first_pos[key], members))
             members, size = [], 0

@@ -1,201 +1,185 @@
-"""The ``DistributedDataParallel`` module wrapper: construction checks, broadcasts, ``no_sync``."""
+"""The ``DistributedDataParallel`` module wrapper: forward, ``no_sync``, comm hooks, join, pickling.
+
+Construction checks and torch's constructor options are resolved in ``construct.py``.
+"""
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import copy
+import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
+from torch.distributed.utils import _to_kwargs
 
 from .comm import CommHook
+from .construct import (broadcast_coalesced, check_comm_hook, check_wrappable, claim, inside_functional_call,
+                        resolve_bucket_caps, resolve_buffer_sync, resolve_device_ids, resolve_group,
+                        resolve_timeout, verify_same_model)
 from .control import SyncError, bounded_wait
+from .delay import DelayedAllReduce
+from .join import DDPJoinHook, Join
 from .reducer import Reducer
 
 
-# id -> parameter, for parameters owned by a live gradsync wrapper (a WeakSet would compare tensors)
-_WRAPPED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
-def resolve_timeout(timeout: timedelta | float | None, group: dist.ProcessGroup,
-                    device: torch.device) -> timedelta:
-    """Return ``timeout`` as a timedelta; None means the process group's own timeout."""
-    if timeout is None:
-        try:
-            return group._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            return dist.default_pg_timeout
-    if isinstance(timeout, (int, float)):
-        timeout = timedelta(seconds=timeout)
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-    return timeout
-
-
-def describe(module: nn.Module) -> list[tuple]:
-    """Return what must agree across ranks: (kind, name, shape, dtype, requires_grad) per tensor."""
-    rows = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-            for n, p in module.named_parameters()]
-    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
-    return rows
-
-
-def verify_same_model(module: nn.Module, group: dist.ProcessGroup, timeout: timedelta,
-                      device: torch.device | None = None) -> None:
-    """Raise on every rank if any rank's parameters or buffers differ from rank 0's."""
-    mine = describe(module)
-    # compare digests with a bounded collective; gather the details only on a mismatch
-    digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
-    digests = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
-    digests[dist.get_rank(group)] = digest
-    try:
-        bounded_wait(dist.all_reduce(digests, group=group, async_op=True), timeout)
-    except Exception as exc:
-        raise SyncError(
-            f"gradsync: rank {dist.get_rank(group)} waited for the other ranks to construct "
-            f"DistributedDataParallel and they did not within {timeout.total_seconds():g}s: {exc}. "
-            "Likely cause: another rank died, raised before wrapping its model, or wraps a "
-            "different number of models."
-        ) from exc
-    if len(set(digests.tolist())) == 1:
-        return
-    everyone: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    reference = everyone[0]
-    problems = [f"rank {r}: {_first_difference(reference, rows)}"
-                for r, rows in enumerate(everyone) if rows != reference]
-    if problems:
-        raise ValueError(
-            "gradsync: the model differs across ranks (compared with rank 0): " + "; ".join(problems)
-            + ". Build the same model on every rank before wrapping it."
-        )
-
-
-def _first_difference(reference: list[tuple], rows: list[tuple]) -> str:
-    for ref, row in zip(reference, rows):
-        if ref != row:
-            if ref[1] != row[1]:
-                return f"has {row[0]} '{row[1]}' where rank 0 has {ref[0]} '{ref[1]}'"
-            fields = ("shape", "dtype", "requires_grad")
-            diffs = [f"{f} {b} (rank 0: {a})" for f, a, b in zip(fields, ref[2:], row[2:]) if a != b]
-            return f"{row[0]} '{row[1]}' has " + ", ".join(diffs)
-    count = lambda rs, kind: sum(r[0] == kind for r in rs)  # noqa: E731
-    return (f"{count(rows, 'parameter')} parameters and {count(rows, 'buffer')} buffers, rank 0 has "
-            f"{count(reference, 'parameter')} and {count(reference, 'buffer')}")
-
-
-def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, wait,
-                        src_rank: int = 0) -> None:
-    """Overwrite ``tensors`` with group rank ``src_rank``'s values, one collective per dtype and device."""
-    by_kind: dict[tuple, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    src = dist.get_global_rank(group, src_rank)
-    for same in by_kind.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in same])
-        wait(dist.broadcast(flat, src=src, group=group, async_op=True))
-        with torch.no_grad():
-            for t, part in zip(same, flat.split([t.numel() for t in same])):
-                t.copy_(part.view_as(t))
-
-
-def check_wrappable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """Return the trainable (name, parameter) pairs, or raise if ``module`` cannot be wrapped."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("gradsync: torch.distributed is not initialized; call "
-                           "torch.distributed.init_process_group() before wrapping the model")
-    if isinstance(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel)):
-        raise ValueError(f"gradsync: the module is already wrapped in {type(module).__module__}."
-                         f"{type(module).__name__}; wrap the inner module once")
-    named = list(module.named_parameters())
-    for name, p in named:
-        if isinstance(p, nn.parameter.UninitializedParameter):
-            raise ValueError(f"gradsync: parameter '{name}' is lazy (uninitialized). Run one forward "
-                             "pass on a sample batch to materialize it before wrapping the model")
-        if _WRAPPED.get(id(p)) is p:
-            raise ValueError(f"gradsync: parameter '{name}' already belongs to a gradsync wrapper; "
-                             "a module (or one of its submodules) must be wrapped only once")
-    trainable = [(n, p) for n, p in named if p.requires_grad]
-    if not trainable:
-        raise ValueError("gradsync: the module has no parameters that require gradients; "
-                         "there is nothing to synchronize")
-    return trainable
-
-
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with bucketed, backward-overlapped gradient averaging.
 
-    A drop-in for ``torch.nn.parallel.DistributedDataParallel``: same constructor keywords, same
-    ``no_sync()``, comm hooks and ``module.``-prefixed state dict. ``timeout`` bounds every wait
-    on a collective (default: the process group's timeout). ``check_finite=True`` checks each
-    reduced bucket for NaN/inf and raises ``FloatingPointError`` naming the parameters before the
-    gradients are written back. ``join()`` finishes an epoch whose ranks have uneven inputs.
+    A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (torch 2.13): the same constructor
+    arguments with torch's meaning, ``no_sync()``, comm hooks, ``join()`` (a ``Joinable``, so
+    ``torch.distributed.algorithms.Join([model, optimizer])`` works too), pickling, and a
+    ``module.``-prefixed state dict. Buckets follow torch's caps: 25 MiB, and a 1 MiB first bucket
+    unless ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) is given. gradsync's own keywords:
+    ``first_bucket_cap_mb`` caps the first bucket explicitly; ``timeout`` bounds every wait on a
+    collective (default: the process group's timeout); ``check_finite=True`` checks each reduced
+    bucket for NaN/inf and raises ``FloatingPointError`` naming the parameters before the gradients
+    are written back.
+
+    Accepted for compatibility, with no effect: ``batched_grad_copy`` (a CUDA kernel-launch
+    optimization), ``skip_all_reduce_unused_params`` (buckets are reduced whole; gradients come out
+    as torch's: parameters unused on every rank keep theirs), ``check_reduction`` (deprecated in
+    torch too). ``broadcast_buffers`` is deprecated as in torch 2.13: ``broadcast_buffers=False``
+    also keeps buffers out of the initial sync, ``forward_sync_buffers=False`` does not.
+    ``delay_all_reduce_named_params`` parameters are averaged when a synchronizing backward that
+    reached ``param_to_hook_all_reduce`` ends. ``mixed_precision`` is not supported.
     """
 
     reducer_class = Reducer  # subclasses swap in another reduction strategy (e.g. sharded)
 
-    def __init__(self, module: nn.Module, *, process_group: dist.ProcessGroup | None = None,
-                 broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0,
-                 first_bucket_cap_mb: float = 1.0, find_unused_parameters: bool = False,
+    def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
+                 output_device: int | torch.device | None = None, dim: int = 0,
+                 broadcast_buffers: bool | None = None, init_sync: bool = True,
+                 process_group: dist.ProcessGroup | None = None, bucket_cap_mb: float | None = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
-                 timeout: timedelta | float | None = None, device_ids: Any = None,
-                 output_device: Any = None, dim: int = 0, check_finite: bool = False):
+                 delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
+                 param_to_hook_all_reduce: nn.Parameter | None = None, mixed_precision: Any = None,
+                 device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: Sequence[float] | None = None, batched_grad_copy: bool = False,
+                 forward_sync_buffers: bool | None = None, *, first_bucket_cap_mb: float | None = None,
+                 timeout: timedelta | float | None = None, check_finite: bool = False):
         super().__init__()
-        trainable = check_wrappable(module)
+        Joinable.__init__(self)
+        if mixed_precision is not None:
+            raise NotImplementedError("gradsync: mixed_precision (torch's experimental _MixedPrecision) is "
+                                      "not supported; keep parameters in one dtype or use torch.autocast")
+        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
+            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
+                             "need to be set at the same time.")
+        if check_reduction:
+            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
+                          "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
+        self.process_group = resolve_group(process_group, device_mesh)
+        if device_mesh is not None:
+            self.device_mesh = device_mesh
+        trainable = check_wrappable(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel))
+        delayed = dict(delay_all_reduce_named_params or ())
+        reduced = [n for n, _ in trainable if n not in delayed]
+        if not reduced:
+            raise NotImplementedError("gradsync: delay_all_reduce_named_params names every trainable "
+                                      "parameter; leave at least one to the reducer")
+        self.device_ids, self.output_device = resolve_device_ids(device_ids, output_device,
+                                                                 [p for _, p in trainable])
         self.module = module
-        self.process_group = process_group if process_group is not None else dist.group.WORLD
-        self.broadcast_buffers = broadcast_buffers
+        self.dim = dim
+        self.forward_sync_buffers, init_sync_buffers = resolve_buffer_sync(broadcast_buffers,
+                                                                           forward_sync_buffers)
         self.require_backward_grad_sync = True
-        self.device_ids, self.output_device, self.dim = device_ids, output_device, dim
-        self.timeout = resolve_timeout(timeout, self.process_group, trainable[0][1].device)
+        self.require_forward_param_sync = True  # False: the next forwards do not sync buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
+        self.batched_grad_copy = batched_grad_copy
+        self.device = trainable[0][1].device
+        self.timeout = resolve_timeout(timeout, self.process_group, self.device)
         self.world_size = dist.get_world_size(self.process_group)
-
-        verify_same_model(module, self.process_group, self.timeout, trainable[0][1].device)
-        names = [n for n, _ in trainable]
-        params = [p for _, p in trainable]
-        self.reducer = self.reducer_class(
-            params, names, self.process_group, should_sync=self._backward_syncs,
-            bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb,
-            find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
-            timeout=self.timeout)
-        self.reducer.check_finite = check_finite
-        self._join: Any = None  # the active gradsync.core.join.Join while inside model.join()
-        if self.world_size > 1:
-            broadcast_coalesced(list(module.parameters()) + list(module.buffers()),
-                                self.process_group, self._wait)
+        caps, first_cap = resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list, first_bucket_cap_mb)
+        self._reducer_options = dict(
+            bucket_cap_mb=caps, first_bucket_cap_mb=first_cap, find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, timeout=self.timeout)
+        self._reduced_names = reduced
+        self._delayed_names = list(delayed)
+        self._delay_trigger = param_to_hook_all_reduce
+        self._check_finite = check_finite
+        if init_sync:  # before the reducer allocates its buckets: peak memory is one model copy less
+            verify_same_model(module, self.process_group, self.timeout, self.device)
+            if self.world_size > 1:
+                self._broadcast(list(module.parameters())
+                                + (list(module.buffers()) if init_sync_buffers else []))
         self._param_snapshot = [(p, p.requires_grad) for p in module.parameters()]
-        _WRAPPED.update((id(p), p) for p in params)
+        self._build_reducer()
 
-    def _wait(self, work: dist.Work) -> None:
-        self.reducer.wait(work, "a broadcast of parameters or buffers")
+    def _build_reducer(self) -> None:
+        named = dict(self.module.named_parameters())
+        params = [named[n] for n in self._reduced_names]
+        self.reducer = self.reducer_class(params, self._reduced_names, self.process_group,
+                                          should_sync=_weak_should_sync(self), **self._reducer_options)
+        self.reducer.check_finite = self._check_finite
+        weakref.finalize(self, self.reducer.remove_hooks)  # a deleted wrapper leaves no hooks behind
+        self._join: DDPJoinHook | None = None  # set by join_hook() while a join is configured
+        self._delayed = None
+        if self._delayed_names:
+            self._delayed = DelayedAllReduce(self, [named[n] for n in self._delayed_names], self._delay_trigger)
+            weakref.finalize(self, self._delayed.remove)
+        claim(params + (self._delayed.params if self._delayed else []), self)
+
+    def _wait(self, work: dist.Work, what: str = "a broadcast of parameters or buffers") -> None:
+        reducer = self.__dict__.get("reducer")
+        if reducer is not None:
+            reducer.wait(work, what)
+            return
+        try:
+            bounded_wait(work, self.timeout)
+        except Exception as exc:
+            raise SyncError(
+                f"gradsync: rank {dist.get_rank(self.process_group)} waited for the initial broadcast of "
+                f"parameters and buffers and it failed or did not finish within "
+                f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died or raised "
+                "while wrapping its model, or wraps a different number of models."
+            ) from exc
 
     def _broadcast(self, tensors: list[torch.Tensor], src_rank: int = 0) -> None:
         broadcast_coalesced(tensors, self.process_group, self._wait, src_rank)
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self.reducer.prepare_for_forward()
-        self._check_parameters_unchanged()
+        if self._delayed is not None:
+            self._delayed.prepare_for_forward()
+        swapped = self._parameters_swapped()
         self._check_group()
-        src = self._join.before_forward() if self._join is not None else 0
+        src = self._join.before_forward() if self._join_config.enable and self._join is not None else 0
         if self._will_broadcast_buffers():
-            buffers = list(self.module.buffers())
-            if buffers:
-                broadcast_coalesced(buffers, self.process_group, self._wait, src)
-        output = self.module(*args, **kwargs)
-        if torch.is_grad_enabled():
+            self._broadcast(list(self.module.buffers()), src)
+        if self.device_ids:  # a single-GPU module: inputs move to its device, as in torch
+            moved, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device(self.device.type, self.device_ids[0]),
+                                             True)
+            inputs, kwargs = moved[0], moved_kwargs[0]
+        output = self.module(*inputs, **kwargs)
+        if torch.is_grad_enabled() and not swapped:
             self.reducer.prepare_for_backward(output, self.module.training, self.require_backward_grad_sync)
         return output
 
     def _will_broadcast_buffers(self) -> bool:
         # Every training forward starts from rank 0's buffers, no_sync micro-steps included; eval
         # and no_grad forwards skip the broadcast, so rank-local evaluation needs no collective.
-        return (self.broadcast_buffers and self.world_size > 1 and self.module.training
-                and torch.is_grad_enabled())
+        return (self.forward_sync_buffers and self.require_forward_param_sync and self.world_size > 1
+                and self.module.training and torch.is_grad_enabled())
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Deprecated alias of ``forward_sync_buffers`` (as in torch 2.13)."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     def _check_group(self) -> None:
         try:
@@ -211,28 +195,50 @@ class DistributedDataParallel(nn.Module):
 
     def _backward_syncs(self) -> bool:
         sync = self.require_backward_grad_sync
-        if self._join is not None:
+        if self._join_config.enable and self._join is not None:
             self._join.check_backward(sync)
         return sync
 
-    def join(self, enable: bool = True):
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
         """Return a context manager for uneven inputs: wrap the training loop in ``with model.join():``.
 
-        A rank whose loop ends early keeps taking part in the others' collectives with zero
-        gradients until every rank is done (gradients divide by the full world size, like
-        torch's default); then parameters and buffers are copied from a rank that ran longest.
-        Inside it, decide ``no_sync`` before each forward, and follow each forward made with
-        gradients enabled by exactly one backward.
+        torch's meaning: a rank whose loop ends early keeps taking part in the others' collectives
+        with zero gradients until every rank is done, then parameters (and buffers, unless
+        ``forward_sync_buffers=False``) are copied from a rank that ran longest. Gradients divide
+        by the initial world size, or with ``divide_by_initial_world_size=False`` by the number
+        of ranks still active. ``throw_on_early_termination=True`` raises on every rank as soon
+        as one runs out of data. Inside it, decide ``no_sync`` before each forward, and follow
+        each forward made with gradients enabled by exactly one backward.
         """
-        from .join import Join
-        return Join(self, enable)
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
 
-    def _check_parameters_unchanged(self) -> None:
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        """The ``Joinable`` hook: ``divide_by_initial_world_size`` (default True) as in ``join()``."""
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def _parameters_swapped(self) -> bool:
+        """Return True while ``torch.func.functional_call`` substitutes all parameters (then this
+        forward is local); raise if the parameters changed for good."""
         snapshot = self._param_snapshot
         current = list(self.module.parameters())
         if len(current) == len(snapshot) and all(
                 p is q and p.requires_grad == rg for p, (q, rg) in zip(current, snapshot)):
-            return
+            return False
+        if inside_functional_call():
+            # like torch: gradients of the substituted tensors stay local; if some of gradsync's
+            # parameters are still in use, the backward synchronizes them as usual
+            mine = {id(p) for p in self.reducer.params}
+            return not any(id(p) in mine for p in current)
         raise RuntimeError(
             "gradsync: the module's parameters changed after it was wrapped (a parameter was added, "
             "removed or replaced, or its requires_grad changed). gradsync only synchronizes the "
@@ -251,13 +257,31 @@ class DistributedDataParallel(nn.Module):
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Use ``hook(state, bucket) -> Future[Tensor]`` instead of the default averaging all-reduce."""
-        if not callable(hook):
-            raise TypeError(f"gradsync: the communication hook must be callable, got {type(hook).__name__}")
+        check_comm_hook(hook)
         if self.reducer.comm_hook is not None:
             raise RuntimeError("gradsync: register_comm_hook can only be called once")
         if self.reducer.backward_count > 0:
             raise RuntimeError("gradsync: register_comm_hook must be called before the first backward")
         self.reducer.comm_hook, self.reducer.comm_state = hook, state
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the process group and reducer (``torch.save(model)``), as torch does."""
+        if self.process_group != dist.group.WORLD:
+            raise RuntimeError("DDP Pickling/Unpickling are only supported when using DDP with the default "
+                               "process group. That is, when you have called init_process_group and have "
+                               "not passed process_group argument to DDP constructor")
+        attrs = copy.copy(self.__dict__)
+        attrs["_check_finite"] = self.reducer.check_finite
+        for name in ("process_group", "reducer", "_join", "_delayed"):
+            del attrs[name]
+        attrs["_join_config"] = _JoinConfig.construct_disabled_join_config()
+        return attrs
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild on the default process group: a fresh reducer, no collective."""
+        self.process_group = dist.group.WORLD
+        super().__setstate__(state)
+        self._build_reducer()
 
     def enable_comm_trace(self) -> list[dict]:
         """Start recording a per-bucket timeline of every synced backward; return the record list."""
@@ -307,6 +331,17 @@ class DistributedDataParallel(nn.Module):
             reducer.load_plan_order([index[name] for name in order])
         for name, p in zip(reducer.names, reducer.params):
             p.grad = grads[name].detach().clone().to(p.device) if name in grads else None
+
+
+def _weak_should_sync(ddp: DistributedDataParallel) -> Callable[[], bool]:
+    """The reducer's ``should_sync``, holding the wrapper weakly so that it can be collected."""
+    method = weakref.WeakMethod(ddp._backward_syncs)
+
+    def should_sync() -> bool:
+        bound = method()
+        return bound is not None and bool(bound())
+    return should_sync
+
 
 DDP = DistributedDataParallel
 __all__ = ["DistributedDataParallel", "DDP", "SyncError"]

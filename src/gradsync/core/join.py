@@ -1,14 +1,19 @@
-"""Uneven inputs: ``with model.join():`` lets ranks with fewer batches finish an epoch early.
+"""Uneven inputs: torch's join protocol (``torch.distributed.algorithms.Join``) for the wrapper.
 
-A joined rank cannot tell from its own state whether an active rank's next backward will
-synchronize, so inside ``join()`` every forward of an active rank starts with a tiny handshake
-all-reduce: each active rank sets its own slot to 1 and adds whether this forward's backward will
-sync. A joined rank loops on the same handshake with zeros. From the sum every rank learns who
-is active and what follows, and a joined rank shadows exactly those collectives: the buffer
-broadcast (from the lowest active rank) and, when the backward syncs, every bucket's collective
-with zero gradients plus the end-of-backward check. When a handshake shows no active rank,
-everyone leaves, and parameters and buffers are copied from a rank that was active longest.
-Gradients divide by the full world size (zeros from joined ranks), like torch's default.
+The wrapper is a ``Joinable``: ``with model.join():`` and ``with Join([model, optimizer]):``
+(e.g. with torch's ``ZeroRedundancyOptimizer``) let ranks with fewer batches finish early. Each
+forward of an active rank first calls ``Join.notify_join_context`` (one all-reduce, which a
+joined rank's ``Join`` pairs with its count of non-joined ranks, and which raises everywhere
+with ``throw_on_early_termination``). Then comes gradsync's handshake: a joined rank cannot tell
+from its own state whether an active rank's next backward will synchronize, so each active rank
+sets its own slot to 1 and adds whether this forward's backward syncs and whether it broadcasts
+buffers; a joined rank's ``main_hook`` adds zeros. From the sum every rank learns who is active
+and what follows, and a joined rank shadows exactly those collectives: the buffer broadcast
+(from the lowest active rank) and, when the backward syncs, every bucket's collective with zero
+gradients plus the end-of-backward check. Once every rank has joined, ``post_hook`` copies the
+parameters (and buffers, when they sync at runtime) from the highest rank among the last active
+ones, as torch does. Gradients divide by the full world size (zeros from joined ranks) unless
+``divide_by_initial_world_size=False``, which divides by the number of active ranks.
 """
 from __future__ import annotations
 
@@ -16,43 +21,51 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join as TorchJoin, JoinHook, _JoinConfig
 
 from .control import SyncError, empty_control
 from .reducer import Reducer
 
 
-class Join:
-    """Context manager returned by ``DistributedDataParallel.join()``."""
+class DDPJoinHook(JoinHook):
+    """The wrapper's join hook; while a join is configured it is also the wrapper's ``_join``."""
 
-    def __init__(self, ddp: Any, enable: bool = True):
+    def __init__(self, ddp: Any, divide_by_initial_world_size: bool = True):
+        if ddp._delayed is not None:
+            raise NotImplementedError(
+                "gradsync: join() does not shadow the delayed all-reduce of "
+                "delay_all_reduce_named_params; give every rank the same number of batches")
         self.ddp = ddp
-        self.enable = enable and ddp.world_size > 1
-        self.last_active: list[int] = [0]  # ranks active in the latest handshake that had any
+        self.last_active = list(range(ddp.world_size))  # ranks active in the latest handshake with any
         self.expect_sync: bool | None = None
+        self._own_hook = False
+        reducer = ddp.reducer
+        if not divide_by_initial_world_size and reducer.comm_hook is None:
+            # like torch, the divisor applies to the default reduction only; a user's hook divides itself
+            reducer.comm_hook, reducer.comm_state, self._own_hook = average_over_active_ranks, self, True
+        ddp._join = self
 
-    def __enter__(self) -> "Join":
-        if self.enable:
-            if self.ddp._join is not None:
-                raise RuntimeError("gradsync: model.join() is already active; do not nest it")
-            self.ddp._join = self
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if not self.enable:
+    def close(self) -> None:
+        """Leave join mode: the next forwards run without handshakes."""
+        ddp = self.ddp
+        if ddp._join is not self:
             return
-        try:
-            if exc_type is None:
-                self._shadow_until_all_joined()
-        finally:
-            self.ddp._join = None
-            self.ddp.reducer.active_ranks = None
+        ddp._join = None
+        ddp._join_config = _JoinConfig.construct_disabled_join_config()
+        ddp.reducer.active_ranks = None
+        if self._own_hook and ddp.reducer.comm_hook is average_over_active_ranks:
+            ddp.reducer.comm_hook = ddp.reducer.comm_state = None
 
     # ------------------------------------------------------------ active rank
     def before_forward(self) -> int:
-        """Run the handshake for one forward of this (active) rank; return the buffer source rank."""
-        will_sync = self.ddp.require_backward_grad_sync and torch.is_grad_enabled()
-        active, syncs, _ = self._handshake(True, will_sync, self.ddp._will_broadcast_buffers())
-        self.ddp.reducer.active_ranks = active
+        """Notify the join context and run the handshake for one forward; return the buffer source rank."""
+        ddp = self.ddp
+        work = TorchJoin.notify_join_context(ddp)  # raises here with throw_on_early_termination
+        if work is not None:
+            ddp.reducer.wait(work, "the join notification")
+        will_sync = ddp.require_backward_grad_sync and torch.is_grad_enabled()
+        active, syncs, _ = self._handshake(True, will_sync, ddp._will_broadcast_buffers())
+        ddp.reducer.active_ranks = active
         self.expect_sync = syncs if torch.is_grad_enabled() else None
         return active[0]
 
@@ -66,19 +79,34 @@ class Join:
         self.expect_sync = None
 
     # ------------------------------------------------------------ joined rank
-    def _shadow_until_all_joined(self) -> None:
+    def main_hook(self) -> None:
+        """Shadow one forward (and its backward) of the ranks still active."""
         ddp = self.ddp
-        while True:
-            active, syncs, broadcasts = self._handshake(False, False, False)
-            if not active:
-                break
-            ddp.reducer.active_ranks = active
-            buffers = list(ddp.module.buffers())
-            if broadcasts and buffers:
-                ddp._broadcast(buffers, active[0])
-            if syncs:
-                shadow_backward(ddp.reducer)
-        ddp._broadcast(list(ddp.module.parameters()) + list(ddp.module.buffers()), self.last_active[0])
+        active, syncs, broadcasts = self._handshake(False, False, False)
+        if not active:
+            raise SyncError(
+                f"gradsync: joined rank {ddp.reducer.rank} expected a forward of the model on the active "
+                "ranks and saw none: inside Join([...]) the model must come first, and each active "
+                "rank's iteration must start with its forward")
+        ddp.reducer.active_ranks = active
+        buffers = list(ddp.module.buffers())
+        if broadcasts and buffers:
+            ddp._broadcast(buffers, active[0])
+        if syncs:
+            shadow_backward(ddp.reducer)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Copy the model from a rank that was active longest, then leave join mode."""
+        ddp, reducer = self.ddp, self.ddp.reducer
+        ddp._authoritative_rank = max(self.last_active)
+        tensors = list(ddp.module.parameters())
+        if ddp.forward_sync_buffers:
+            tensors += list(ddp.module.buffers())
+        # the counters the end-of-backward check compares: joined ranks ran fewer passes
+        counters = torch.tensor([reducer.backward_count, reducer.forward_count], device=reducer.device)
+        ddp._broadcast(tensors + [counters], ddp._authoritative_rank)
+        reducer.backward_count, reducer.forward_count = counters.tolist()
+        self.close()
 
     def _handshake(self, active: bool, will_sync: bool,
                    broadcasts: bool) -> tuple[list[int], bool, bool]:
@@ -90,7 +118,7 @@ class Join:
             flags[w] = int(will_sync)
             flags[w + 1] = int(broadcasts)
         ddp.reducer.wait(dist.all_reduce(flags, group=ddp.process_group, async_op=True),
-                          "the join handshake")
+                         "the join handshake")
         values = flags.tolist()
         ranks = [r for r in range(w) if values[r] == 1]
         if any(v not in (0, 1) for v in values[:w]) or (active and rank not in ranks):
@@ -111,6 +139,28 @@ class Join:
         if ranks:
             self.last_active = ranks
         return ranks, bool(values[w]), bool(values[w + 1])
+
+
+class Join(TorchJoin):
+    """``model.join()``'s context: torch's ``Join`` that also leaves join mode when the block raises."""
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            for hook in self._join_hooks:
+                if isinstance(hook, DDPJoinHook):
+                    hook.close()
+
+
+def average_over_active_ranks(join: DDPJoinHook, bucket: Any) -> torch.futures.Future:
+    """The default reduction with ``divide_by_initial_world_size=False``: sum / active ranks."""
+    reducer = join.ddp.reducer
+    active = reducer.active_ranks
+    buffer = bucket.buffer()
+    buffer.div_(len(active) if active else reducer.world_size)  # divide first: keeps sums in range
+    return dist.all_reduce(buffer, group=reducer.group, async_op=True).get_future().then(
+        lambda fut: fut.value()[0])
 
 
 def shadow_backward(reducer: Reducer) -> None:
