@@ -36,8 +36,9 @@ def big_model(seed: int) -> nn.Module:
 
 
 def construction_peaks(rank, world_size):
-    ours, ours_growth = peak_growth(lambda: gradsync.DDP(big_model(rank)))
+    # torch first: memory our construction freed could only make torch's growth look smaller
     _, torch_growth = peak_growth(lambda: nn.parallel.DistributedDataParallel(big_model(rank)))
+    ours, ours_growth = peak_growth(lambda: gradsync.DDP(big_model(rank)))
     model_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
     return ours_growth - model_bytes, torch_growth - model_bytes, model_bytes
 
