@@ -217,3 +217,19 @@ def test_power_sgd_hook_trains_in_step_on_every_rank(buckets):
     (first, _), (second, _) = results
     for name, value in first["gradsync"].items():  # the ranks agree bit for bit
         assert torch.equal(value, second["gradsync"][name])
+
+
+def test_which_hooks_may_overlap_their_buckets():
+    """Hooks that issue one collective launch buckets back to back; others wait for the previous future."""
+    import functools
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+
+    from gradsync.core.comm import issues_one_collective, one_collective
+
+    for hook in (gradsync.allreduce_hook, gradsync.bf16_compress_hook, default_hooks.allreduce_hook,
+                 default_hooks.fp16_compress_hook, functools.partial(default_hooks.allreduce_hook)):
+        assert issues_one_collective(hook)
+    mine = lambda state, bucket: default_hooks.allreduce_hook(state, bucket)  # noqa: E731
+    assert not issues_one_collective(mine) and not issues_one_collective(powerSGD.powerSGD_hook)
+    assert issues_one_collective(one_collective(mine))

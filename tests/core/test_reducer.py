@@ -249,8 +249,10 @@ def misuse(rank, world_size, what):
             gradsync.DDP(model)
         with pytest.raises(ValueError, match="already wrapped"):
             gradsync.DDP(nn.parallel.DistributedDataParallel(mlp()))
-        with pytest.raises(ValueError, match="wrapped only once"):
-            gradsync.DDP(nn.Sequential(inner))
+        outer = gradsync.DDP(nn.Sequential(inner))  # takes over inner's parameters
+        with pytest.raises(RuntimeError, match="wrapped again by a newer"):
+            model(torch.randn(2, 8))
+        outer(torch.randn(2, 8)).sum().backward()
     elif what == "lazy":
         with pytest.raises(ValueError, match="lazy"):
             gradsync.DDP(nn.LazyLinear(4))

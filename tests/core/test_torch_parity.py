@@ -336,9 +336,11 @@ def rewrap(rank, world_size):
         ddp = gradsync.DDP(module, find_unused_parameters=find_unused, static_graph=static_graph)
         for _ in range(2):
             step(ddp, rank, world_size)
-        with pytest.raises(ValueError, match="wrapped only once"):
-            gradsync.DDP(module)  # while the first wrapper lives
-        del ddp
+        newer = gradsync.DDP(module)  # while the first wrapper lives, as torch's tests loop over DDP(model)
+        with pytest.raises(RuntimeError, match="wrapped again by a newer"):
+            ddp(torch.randn(2, 8))  # the first one no longer synchronizes and says so
+        step(newer, rank, world_size)
+        del ddp, newer
         gc.collect()
     module.zero_grad()
     step(module, rank, world_size)  # no wrapper left: a plain local backward

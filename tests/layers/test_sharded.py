@@ -284,10 +284,17 @@ def test_failed_sync_blocks_the_step():
 
 
 def sharded_join(rank, world_size):
+    import torch.distributed.algorithms  # noqa: F401  (Join)
     model = gradsync.ShardedDataParallel(mlp(seed=0))
     with pytest.raises(NotImplementedError, match="does not support join"):
         with model.join():
             pass
+    with pytest.raises(NotImplementedError, match="does not support join"):
+        with torch.distributed.algorithms.Join([model]):
+            pass
+    with model.join(enable=False):  # torch's keywords, by position as in torch
+        x, y = batches(1, world_size)[0]
+        micro_step(model, shard(x, rank, world_size), shard(y, rank, world_size), True, "no_sync")
 
 
 def test_join_on_a_sharded_model_raises_clearly():

@@ -112,7 +112,16 @@ def issues_one_collective(hook: CommHook) -> bool:
     that bucket's future is done, so every rank issues collectives in the same order.
     """
     hook = getattr(hook, "func", hook)  # functools.partial
-    return hook in _ONE_COLLECTIVE
+    return hook in _ONE_COLLECTIVE or getattr(hook, "_gradsync_one_collective", False)
+
+
+def one_collective(hook: CommHook) -> CommHook:
+    """Declare that ``hook`` issues one collective and none from its future's callbacks.
+
+    Then the reducer launches the next bucket without waiting for this one's future.
+    """
+    hook._gradsync_one_collective = True
+    return hook
 
 
 _ONE_COLLECTIVE = {allreduce_hook, fp16_compress_hook, bf16_compress_hook, noop_hook}

@@ -225,10 +225,6 @@ def check_wrappable(module: nn.Module, wrapper_types: tuple[type, ...]) -> list[
             raise NotImplementedError(
                 f"gradsync: parameter '{name}' is a DTensor (tensor parallelism); gradsync reduces "
                 "plain tensors only. Use torch's DistributedDataParallel for DDP + tensor parallel.")
-        if _OWNER.get(id(p)) is not None:
-            raise ValueError(f"gradsync: parameter '{name}' already belongs to a live gradsync wrapper; "
-                             "a module (or one of its submodules) must be wrapped only once while that "
-                             "wrapper lives. Delete the previous wrapper (del model) to wrap it again.")
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
         raise ValueError("gradsync: the module has no parameters that require gradients; "
@@ -242,7 +238,14 @@ def _is_dtensor(p: torch.Tensor) -> bool:
 
 
 def claim(params: Sequence[torch.Tensor], wrapper: Any) -> None:
-    """Record ``wrapper`` as the owner of ``params`` for as long as it lives."""
+    """Record ``wrapper`` as the owner of ``params`` for as long as it lives.
+
+    A parameter has one live owner: a previous wrapper of any of them is superseded (its hooks
+    removed, its forward refused), as when ``ddp = DDP(model)`` runs again in a loop.
+    """
+    previous = {id(o): o for o in (_OWNER.get(id(p)) for p in params) if o is not None and o is not wrapper}
+    for old in previous.values():
+        old._supersede()
     _OWNER.update((id(p), wrapper) for p in params)
 
 

@@ -149,6 +149,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast_coalesced(tensors, self.process_group, self._wait, src_rank)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if getattr(self, "_superseded", False):
+            raise RuntimeError(
+                "gradsync: this DistributedDataParallel no longer synchronizes: its module (or part "
+                "of it) was wrapped again by a newer DistributedDataParallel, which now owns the "
+                "parameters. Use the newer wrapper.")
         self.reducer.prepare_for_forward()
         if self._delayed is not None:
             self._delayed.prepare_for_forward()
@@ -180,6 +185,13 @@ class DistributedDataParallel(nn.Module, Joinable):
     @broadcast_buffers.setter
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
+
+    def _supersede(self) -> None:
+        """A newer wrapper took over the parameters: release them and refuse to run."""
+        self.reducer.remove_hooks()
+        if self._delayed is not None:
+            self._delayed.remove()
+        self._superseded = True
 
     def _check_group(self) -> None:
         try:

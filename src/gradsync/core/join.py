@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join as TorchJoin, JoinHook, _JoinConfig
 
+from .comm import one_collective
 from .control import SyncError, empty_control
 from .reducer import Reducer
 
@@ -153,6 +154,7 @@ class Join(TorchJoin):
                     hook.close()
 
 
+@one_collective
 def average_over_active_ranks(join: DDPJoinHook, bucket: Any) -> torch.futures.Future:
     """The default reduction with ``divide_by_initial_world_size=False``: sum / active ranks."""
     reducer = join.ddp.reducer

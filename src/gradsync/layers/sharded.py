@@ -5,6 +5,7 @@ steps the shards and all-gathers parameters is ``sharded_optim.py``.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -31,15 +32,19 @@ class ShardedDataParallel(DistributedDataParallel):
             "gradsync.DistributedDataParallel to combine comm hooks with unsharded gradients."
         )
 
-    def join(self, enable: bool = True):
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
         if enable and self.world_size > 1:
-            raise NotImplementedError(
-                "gradsync: ShardedDataParallel does not support join() yet (a joined rank would have "
-                "to shadow reduce-scatters and the optimizer's all-gathers). Give every rank the same "
-                "number of batches (e.g. DistributedSampler(drop_last=True)), or use "
-                "gradsync.DistributedDataParallel for uneven inputs."
-            )
-        return super().join(enable)
+            self.join_hook()  # raises
+        return contextlib.nullcontext()  # disabled, or nothing to join on one rank
+
+    def join_hook(self, **kwargs: Any):
+        raise NotImplementedError(
+            "gradsync: ShardedDataParallel does not support join() yet (a joined rank would have "
+            "to shadow reduce-scatters and the optimizer's all-gathers). Give every rank the same "
+            "number of batches (e.g. DistributedSampler(drop_last=True)), or use "
+            "gradsync.DistributedDataParallel for uneven inputs."
+        )
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply every gradient (shards and pending local gradients) by ``factor``."""
