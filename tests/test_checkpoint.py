@@ -200,3 +200,20 @@ def test_state_dict_loads_into_torch_ddp_and_back():
     for same_keys, ours_to_torch, torch_to_ours, identical in run_ranks(interop, 2):
         assert same_keys and ours_to_torch and torch_to_ours
         assert not identical  # the check above compared different values
+
+
+def bad_grad_state(rank, world_size):
+    model = gradsync.DDP(mlp(seed=0))
+    errors = []
+    for state in ({"0.weight": torch.zeros(32, 8)},  # a plain {name: grad} dict, not grad_state_dict()
+                  {"gradients": {"nope": torch.zeros(1)}, "bucket_order": None}):
+        with pytest.raises(KeyError) as info:
+            model.load_grad_state_dict(state)
+        errors.append(str(info.value))
+    return errors
+
+
+def test_load_grad_state_dict_names_what_is_wrong():
+    plain, unknown = run_ranks(bad_grad_state, 2)[0]
+    assert "model.grad_state_dict()" in plain and "'gradients'" in plain
+    assert "nope" in unknown

@@ -317,32 +317,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         Mid-window, the accumulated micro-steps are training state; the layout (re-planned after
         the first synced backward) decides the summation order of every later reduction.
         """
-        reducer = self.reducer
-        order = reducer.plan_order
-        return {"gradients": {name: p.grad.detach().clone() for name, p in zip(reducer.names, reducer.params)
-                              if p.grad is not None},
-                "bucket_order": None if order is None else [reducer.names[i] for i in order]}
+        return self.reducer.grad_state()
 
     def load_grad_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``grad_state_dict()`` of the same rank, before the first backward."""
-        if set(state) != {"gradients", "bucket_order"}:
-            raise KeyError("gradsync: expected a dict from model.grad_state_dict() with keys 'gradients' "
-                           f"and 'bucket_order', got keys {sorted(state)[:5]}")
-        reducer = self.reducer
-        grads, order = state["gradients"], state["bucket_order"]
-        unknown = set(grads) - set(reducer.names)
-        if order is not None:
-            unknown |= set(order) - set(reducer.names)
-        if unknown or (order is not None and len(order) != len(reducer.names)):
-            raise KeyError("gradsync: the gradient state does not match this model's parameters "
-                           f"(unknown: {sorted(unknown)[:5]}); load it into the model it was saved from")
-        if order is not None:
-            if reducer.backward_count:
-                raise RuntimeError("gradsync: load_grad_state_dict() must come before the first backward")
-            index = {name: i for i, name in enumerate(reducer.names)}
-            reducer.load_plan_order([index[name] for name in order])
-        for name, p in zip(reducer.names, reducer.params):
-            p.grad = grads[name].detach().clone().to(p.device) if name in grads else None
+        self.reducer.load_grad_state(state)
 
 
 def _weak_should_sync(ddp: DistributedDataParallel) -> Callable[[], bool]:

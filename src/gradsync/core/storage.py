@@ -143,3 +143,29 @@ class BucketStorage:
         plan = plan_buckets(self.params, self.bucket_cap_mb, self.first_bucket_cap_mb, order)
         if plan != self.bucket_plan():
             self._build_buckets(plan)
+
+    # ---------------------------------------------------------------- checkpoints
+    def grad_state(self) -> dict[str, Any]:
+        order = self.plan_order
+        return {"gradients": {name: p.grad.detach().clone() for name, p in zip(self.names, self.params)
+                              if p.grad is not None},
+                "bucket_order": None if order is None else [self.names[i] for i in order]}
+
+    def load_grad_state(self, state: dict[str, Any]) -> None:
+        if set(state) != {"gradients", "bucket_order"}:
+            raise KeyError("gradsync: expected a dict from model.grad_state_dict() with keys 'gradients' "
+                           f"and 'bucket_order', got keys {sorted(state)[:5]}")
+        grads, order = state["gradients"], state["bucket_order"]
+        unknown = set(grads) - set(self.names)
+        if order is not None:
+            unknown |= set(order) - set(self.names)
+        if unknown or (order is not None and len(order) != len(self.names)):
+            raise KeyError("gradsync: the gradient state does not match this model's parameters "
+                           f"(unknown: {sorted(unknown)[:5]}); load it into the model it was saved from")
+        if order is not None:
+            if self.backward_count:
+                raise RuntimeError("gradsync: load_grad_state_dict() must come before the first backward")
+            index = {name: i for i, name in enumerate(self.names)}
+            self.load_plan_order([index[name] for name in order])
+        for name, p in zip(self.names, self.params):
+            p.grad = grads[name].detach().clone().to(p.device) if name in grads else None
