@@ -44,9 +44,11 @@ def blocks(record: dict, link: str) -> dict[str, str]:
     m, models = record["machine"], record["models"]
     accums = sorted({r["accum"] for r in models})
     one, many = accums[0], accums[-1]
-    by_op = [r["bytes"]["gradsync"]["by_op"] for r in models]
-    reduced = _range([b["all_reduce:gradients"] / r["grad_bytes"] for b, r in zip(by_op, models)], ".3f")
-    control = _range([b.get("all_reduce:control", 0) for b in by_op], ".0f", " bytes")  # int32 counters
+    every = " and ".join(map(str, accums))
+    reduced, torch_reduced = (_range([r["bytes"][e]["by_op"]["all_reduce:gradients"] / r["grad_bytes"]
+                                      for r in models], ".3f") for e in ("gradsync", "torch"))
+    control = _range([r["bytes"]["gradsync"]["by_op"].get("all_reduce:control", 0) for r in models],
+                     ".0f", " bytes")  # int32 counters
     bf16 = {a: _ratios(record, "gradsync-bf16", a) for a in accums}
     saving = {r["set_to_none"]: r["saving"] for r in memory_savings(record) if r["engine"] == "gradsync"}
     source = (f"[{record['date']}, {record['world']} gloo ranks on {m['cpu']}, {m['cores']} cores]({link}) "
@@ -57,7 +59,7 @@ def blocks(record: dict, link: str) -> dict[str, str]:
         f"Latest run: {source}, time per optimizer step, median (min-max) ms, and the paired ratio to "
         "torch's C++ DDP:", "",
         ratio_table(record, [e for e in record["engines"] if e not in ("torch", "naive")]), "",
-        f"Bytes per optimizer step: {reduced} x the gradient at accumulation {one} and {many} (the ring "
+        f"Bytes per optimizer step: {reduced} x the gradient at accumulation {every} (the ring "
         f"all-reduce minimum; bf16 compression: {_bf16_bytes(models)}), plus gradsync's end-of-backward "
         f"check of {control}. "
         f"`gradient_as_bucket_view` saved {saving[True]:.2f} (`zero_grad(set_to_none=True)`) and "
@@ -67,7 +69,7 @@ def blocks(record: dict, link: str) -> dict[str, str]:
     out["views"] = _views(record)
     out["accumulation"] = (
         f"The latest run counted {reduced} x the gradient bytes all-reduced per optimizer step at "
-        f"accumulation {one} and {many}, the same as torch's DDP, plus an end-of-backward check of "
+        f"accumulation {every} (torch's DDP: {torch_reduced}), plus an end-of-backward check of "
         f"{control}. At accumulation {many} gradsync took {_ratios(record, 'gradsync', many)} x torch's "
         f"step (at {one}: {_ratios(record, 'gradsync', one)}), paired ratios.")
     out["compression"] = (
