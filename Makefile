@@ -11,7 +11,8 @@ TORCH_PIN := torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev]'
+	# the compat extra (Accelerate, Lightning: tests/compat) depends on torch: keep the pin on the same line
+	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,compat]'
 	touch $@
 
 install: $(VENV)/.installed

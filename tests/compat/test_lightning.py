@@ -1,0 +1,75 @@
+"""Lightning Trainer(strategy="ddp") on 2 CPU ranks: torch's DDP and gradsync train to the same weights."""
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lightning", reason="lightning is not installed: pip install torch==2.13.0 -e '.[compat]'")
+
+from compat_proc import run_bounded  # noqa: E402
+
+pytestmark = pytest.mark.compat
+SCRIPT = Path(__file__).with_name("lightning_fit.py")
+TIMEOUT = 300  # one fit takes ~20 s on 2 cores (Lightning starts rank 1 as a fresh interpreter)
+
+
+def fit(mode, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"lightning-{mode}")
+    proc = run_bounded([sys.executable, str(SCRIPT), mode, str(out)], TIMEOUT, log=out / "log")
+    assert not proc.timed_out, f"{mode}: Lightning fit ran past {TIMEOUT}s\n{proc.tail}"
+    ranks = []
+    for r in range(2):
+        f = out / f"rank{r}.pt"
+        assert f.exists(), f"{mode}: rank {r} did not finish training (exit {proc.returncode})\n{proc.tail}"
+        ranks.append(torch.load(f, weights_only=False))
+    done = all((out / f"rank{r}.done").exists() for r in range(2))
+    return {"ranks": ranks, "returncode": proc.returncode, "done": done, "tail": proc.tail, "output": proc.output()}
+
+
+@pytest.fixture(scope="module")
+def torch_fit(tmp_path_factory):
+    return fit("torch", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def gradsync_fit(tmp_path_factory):
+    return fit("gradsync", tmp_path_factory)
+
+
+def test_lightning_wraps_the_model_in_gradsync(torch_fit, gradsync_fit):
+    for r in torch_fit["ranks"]:
+        assert r["wrapped_in"] == ("torch.nn.parallel.distributed.DistributedDataParallel", True)
+    for r in gradsync_fit["ranks"]:
+        assert r["wrapped_in"] == ("gradsync.core.compat.DistributedDataParallel", True)
+    assert torch_fit["returncode"] == 0 and torch_fit["done"], torch_fit["tail"]
+
+
+def test_lightning_ddp_fit_gives_torchs_weights(torch_fit, gradsync_fit):
+    # 2 epochs of 10 micro-batches per rank, accumulate_grad_batches=4: windows 4, 4, 2 -> 6 steps
+    for r in torch_fit["ranks"] + gradsync_fit["ranks"]:
+        assert r["optimizer_steps"] == 6 and r["global_step"] == 6, r
+    expected = torch_fit["ranks"][0]["weights"]
+    for rank, r in enumerate(gradsync_fit["ranks"]):
+        assert r["weights"].keys() == expected.keys()
+        for name, value in r["weights"].items():
+            # bit-identical today; the contract is fp32 equivalence
+            torch.testing.assert_close(value, expected[name], atol=1e-6, rtol=0,
+                                       msg=lambda m, name=name, rank=rank: f"rank {rank} {name}: {m}")
+    for name, value in gradsync_fit["ranks"][1]["weights"].items():
+        assert torch.equal(value, gradsync_fit["ranks"][0]["weights"][name]), f"ranks disagree on {name}"
+
+
+# Lightning's DDPStrategy.teardown() (after the last step) reads model.static_graph and calls
+# model._get_ddp_logging_data(), which gradsync's wrapper lacks. Strict: once gradsync has them,
+# this test fails and the marker must go.
+KNOWN_TEARDOWN_FAILURE = "not self.model.static_graph and self.model._get_ddp_logging_data()"
+
+
+def test_lightning_fit_returns_on_gradsync(gradsync_fit):
+    if gradsync_fit["returncode"] == 0 and gradsync_fit["done"]:
+        pytest.fail("trainer.fit now returns on gradsync: remove KNOWN_TEARDOWN_FAILURE and this branch")
+    assert KNOWN_TEARDOWN_FAILURE in gradsync_fit["output"], (
+        f"trainer.fit failed on gradsync for an unexpected reason:\n{gradsync_fit['tail']}")
+    pytest.xfail("Lightning's DDPStrategy.teardown reads model.static_graph and calls "
+                 "model._get_ddp_logging_data(); gradsync's wrapper has neither (training itself completes)")
