@@ -10,7 +10,7 @@ with and without ``gradient_as_bucket_view`` under both ``zero_grad`` styles. Wr
 report, a JSON record and PNG plots to ``benchmarks/results/`` named by machine and date.
 
     gradsync bench                      # full run, 3-6 minutes on 2 CPU cores
-    gradsync bench --quick --out /tmp/b # tiny sizes, about 1.5 minutes: a smoke test, not a measurement
+    gradsync bench --quick --out /tmp/b # tiny sizes, about a minute: a smoke test, not a measurement
 """
 from __future__ import annotations
 
@@ -198,9 +198,9 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)  # each forked rank uses one intra-op thread
     start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - start:4.0f} s] {msg}", flush=True)  # noqa: E731
+    expected = "about a minute" if args.quick else "3-6 minutes"
     log(f"gradsync bench: {args.world} gloo ranks on {info['cpu']} ({info['cores']} cores), engines: "
-        f"{', '.join(names)}; {'a quick run takes about 1.5' if args.quick else 'a full run takes 3-6'} "
-        "minutes on 2 CPU cores")
+        f"{', '.join(names)}; takes {expected} on 2 CPU cores")
     record = {"machine": info, "world": args.world, "quick": args.quick, "engines": names,
               "date": time.strftime("%Y-%m-%d %H:%M"), "bucket_cap_mb": plan.bucket_cap_mb,
               "warmup": plan.warmup, "reps": plan.reps}
