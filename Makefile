@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # torch is pinned first: this exact version installs the CPU build from local files;
-# an unpinned torch would pull a multi-GB CUDA build.
+# an unpinned torch would pull a multi-GB CUDA build. The compat extra (Accelerate, Lightning,
+# for tests/compat) depends on torch too, so the pin goes on that pip line as well.
 TORCH_PIN := torch==2.13.0
 
 .PHONY: demo test bench install clean
@@ -11,7 +12,6 @@ TORCH_PIN := torch==2.13.0
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH_PIN)
-	# the compat extra (Accelerate, Lightning: tests/compat) depends on torch: keep the pin on the same line
 	$(PY) -m pip install -q $(TORCH_PIN) -e '.[dev,compat]'
 	touch $@
 

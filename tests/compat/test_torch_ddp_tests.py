@@ -1,9 +1,9 @@
 """torch's own DDP tests (distributed_test.py, gloo, 2 CPU ranks) with torch's DDP and with gradsync.
 
-Runs ``torch_ddp_tests.py`` twice (about 40 s each, every test bounded by 60 s), writes the
-comparison table next to the results (and into ``tests/compat/torch_ddp_tests.md`` when
-GRADSYNC_UPDATE_COMPAT_TABLE=1), and holds gradsync to every test torch passes except the strict,
-commented list ``torch_ddp_tests.EXPECTED_GRADSYNC_FAILURES``.
+Runs ``torch_ddp_tests.py`` twice (~25 s with torch, ~8 s with gradsync on the tests that ran;
+every test bounded by 60 s), writes the comparison table next to the results (and into
+``tests/compat/torch_ddp_tests.md`` when GRADSYNC_UPDATE_COMPAT_TABLE=1), and holds gradsync to
+every test torch passes except the strict, commented list ``torch_ddp_tests.EXPECTED_GRADSYNC_FAILURES``.
 """
 import os
 from pathlib import Path
@@ -16,7 +16,7 @@ pytest.importorskip("expecttest", reason="torch's distributed test utilities nee
 import torch_ddp_tests as runner  # noqa: E402
 
 pytestmark = pytest.mark.compat
-TOTAL_TIMEOUT = 600  # per mode; ~40 s expected
+TOTAL_TIMEOUT = 600  # per mode; well under a minute expected
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def test_the_ddp_tests_run_on_cpu(runs):
     # the no_sync, comm-hook, create_graph, grad-as-view and CPU DDP tests run on CPU/gloo
     assert len(ran) >= 10, text
     assert "test_accumulate_gradients_no_sync" in ran and "test_DistributedDataParallelCPU" in ran
-    assert torch_run["tests"].keys() == gradsync_run["tests"].keys()
+    assert set(ran) == set(gradsync_run["tests"]), "gradsync runs exactly the tests that run on torch"
     failed = {n: r["reason"] for n, r in torch_run["tests"].items() if r["result"] == "fail"}
     assert not failed, f"torch's own DDP fails its tests here (environment problem?): {failed}"
 
