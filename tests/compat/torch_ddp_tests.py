@@ -27,6 +27,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import sys
 import tempfile
 import time
@@ -93,6 +94,11 @@ def build_test_class():
         def setUp(self):
             super().setUp()
             self._start_processes(torch.multiprocessing.get_context("fork").Process)
+
+        def tearDown(self):
+            super().tearDown()
+            if os.path.exists(self.file_name):  # the rendezvous file torch's setUp leaves in /tmp
+                os.unlink(self.file_name)
 
     TestDistBackendWithFork.__name__ = TestDistBackendWithFork.__qualname__ = "TestDistBackendWithForkGLOO"
     return TestDistBackendWithFork, common_distributed
@@ -208,6 +214,7 @@ def run(mode: str, out: Path, timeout: float, substring: str | None, only_from: 
     finally:
         if handle is not None:
             handle.undo()
+        shutil.rmtree(temp_dir, ignore_errors=True)
     record["seconds"] = round(time.monotonic() - started, 1)
     record["finished"] = True
     out.write_text(json.dumps(record, indent=1))
