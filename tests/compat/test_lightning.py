@@ -60,17 +60,6 @@ def test_lightning_ddp_fit_gives_torchs_weights(torch_fit, gradsync_fit):
         assert torch.equal(value, gradsync_fit["ranks"][0]["weights"][name]), f"ranks disagree on {name}"
 
 
-# Lightning's DDPStrategy.teardown() (after the last step) runs
-#     if not self.model.static_graph and self.model._get_ddp_logging_data().get("can_set_static_graph"):
-# and _get_ddp_logging_data() is torch-private (DDP's C++ logger), which gradsync's wrapper lacks.
-# Strict: once trainer.fit returns on gradsync, this test fails and the marker must go.
-KNOWN_TEARDOWN_FAILURE = "not self.model.static_graph and self.model._get_ddp_logging_data()"
-
-
 def test_lightning_fit_returns_on_gradsync(gradsync_fit):
-    if gradsync_fit["returncode"] == 0 and gradsync_fit["done"]:
-        pytest.fail("trainer.fit now returns on gradsync: remove KNOWN_TEARDOWN_FAILURE and this branch")
-    assert KNOWN_TEARDOWN_FAILURE in gradsync_fit["output"], (
-        f"trainer.fit failed on gradsync for an unexpected reason:\n{gradsync_fit['tail']}")
-    pytest.xfail("Lightning's DDPStrategy.teardown calls model._get_ddp_logging_data() (torch-private), "
-                 "which gradsync's wrapper lacks; training itself completes with torch's weights")
+    # Lightning's DDPStrategy.teardown() reads model._get_ddp_logging_data() (torch-private)
+    assert gradsync_fit["returncode"] == 0 and gradsync_fit["done"], gradsync_fit["tail"]

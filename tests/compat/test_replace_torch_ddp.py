@@ -81,7 +81,7 @@ def attributes_and_no_sync(rank, world_size):
         handle.undo()
     # attribute lookup behaves as on gradsync's wrapper: torch-only helpers are absent, clearly
     absent = {}
-    for name in ("_get_ddp_logging_data", "_set_static_graph", "_build_params_for_reducer", "_register_fused_optim"):
+    for name in ("_build_params_for_reducer", "_register_fused_optim"):  # torch-only internals
         try:
             getattr(model, name)
             absent[name] = "present"

@@ -353,3 +353,18 @@ def test_a_module_can_be_wrapped_again_once_its_wrapper_is_gone():
     assert not torch.equal(results[0]["0.weight"], results[1]["0.weight"])
     with pytest.raises(Exception, match="already wrapped"):
         run_ranks(lambda r, w: gradsync.DDP(gradsync.DDP(mlp())), 1)
+
+
+def set_static_graph_late(rank, world_size):
+    model = gradsync.DDP(mlp(seed=rank))
+    model._set_static_graph()  # torch's private switch, before the first backward
+    for k in range(2):
+        step(model, rank, world_size, k)
+    learned = model.reducer._static_counts is not None
+    with pytest.raises(RuntimeError, match="before training loop starts"):
+        model._set_static_graph()
+    return model.static_graph, learned, model._get_ddp_logging_data()["static_graph"]
+
+
+def test_static_graph_can_be_set_before_the_first_backward():
+    assert run_ranks(set_static_graph_late, 2) == [(True, True, 1)] * 2

@@ -227,7 +227,7 @@ def check_wrappable(module: nn.Module, wrapper_types: tuple[type, ...]) -> list[
                 "plain tensors only. Use torch's DistributedDataParallel for DDP + tensor parallel.")
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
-        raise ValueError("gradsync: the module has no parameters that require gradients; "
+        raise RuntimeError("gradsync: the module has no parameters that require gradients; "
                          "there is nothing to synchronize")
     return trainable
 

@@ -311,6 +311,27 @@ class DistributedDataParallel(nn.Module, Joinable):
         if grads:
             torch._foreach_mul_(grads, factor)
 
+    def _set_static_graph(self) -> None:
+        """Turn on ``static_graph`` after construction (torch's private API), before any backward."""
+        if self.reducer.backward_count:
+            raise RuntimeError("gradsync: _set_static_graph() should be called before training loop starts "
+                               "(construct the wrapper with static_graph=True instead)")
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        self.static_graph = self.reducer.static_graph = self._reducer_options["static_graph"] = True
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """A few of torch's logging fields (frameworks read it at teardown); gradsync runs no C++ logger.
+
+        ``can_set_static_graph`` is 0: gradsync does not analyse whether the graph was static.
+        """
+        reducer = self.reducer
+        return {"world_size": self.world_size, "rank": reducer.rank, "backend_name": dist.get_backend(
+                    self.process_group), "find_unused_parameters": int(self.find_unused_parameters),
+                "static_graph": int(self.static_graph), "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+                "num_buckets": len(reducer.buckets), "iteration": reducer.sync_count, "can_set_static_graph": 0}
+
     def grad_state_dict(self) -> dict[str, Any]:
         """Return this rank's gradients and the bucket layout: save both at every checkpoint.
 
