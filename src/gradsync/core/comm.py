@@ -92,8 +92,7 @@ fp16_compress_hook.__doc__ = "Reduce the bucket in float16 (half the bytes) and 
 bf16_compress_hook = _compress_hook(torch.bfloat16)
 bf16_compress_hook.__name__ = "bf16_compress_hook"
 bf16_compress_hook.__doc__ = (
-    "Reduce the bucket in bfloat16 (half the bytes, fp32's range) and write the average back; "
-    "runs on gloo/CPU, unlike torch's own bf16 hook."
+    "Reduce the bucket in bfloat16 (half the bytes, fp32's range) and write the average back."
 )
 
 
