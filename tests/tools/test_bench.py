@@ -7,6 +7,7 @@ import torch
 
 import gradsync
 from gradsync.tools.bench import measure as bench_measure, report as bench_report, run as bench
+from gradsync.tools.launch import run_ranks
 
 
 def test_quick_bench_writes_report_with_exact_communication(tmp_path):
@@ -76,3 +77,11 @@ def test_bad_arguments_are_rejected():
         bench.parse_args(["--models", "cnn"])
     with pytest.raises(ValueError, match="accumulation"):
         bench.quick_plan(bench.parse_args(["--quick", "--accum", "0"]))
+
+
+def test_memory_probe_reports_the_whole_run_peak_with_construction():
+    spec = bench.ModelSpec(name="mlp-8M", kind="mlp", width=1024, depth=8, batch=4)
+    for engine in ("gradsync", "torch"):
+        for r in run_ranks(bench_measure.memory_rank, 2, spec, engine, True, True, 1, 1, 25.0, timeout=120):
+            # construction holds the parameters plus buckets: at least one model copy over the baseline
+            assert r["whole_run_peak_bytes"] >= max(r["peak_bytes"], r["param_bytes"]), (engine, r)

@@ -232,11 +232,14 @@ def _memory_section(record: dict) -> list[str]:
           "Peak resident set (VmHWM, reset after 2 warm-up steps) over the measured steps, above the "
           "process's RSS before the model was built, max over ranks; glibc is told to mmap allocations "
           ">= 256 KiB so freed tensors leave the RSS. Saving = (peak without views - peak with views) "
-          "/ one gradient copy.", "",
-          "| engine | gradient_as_bucket_view | zero_grad(set_to_none) | peak MiB | saving (gradient copies) |",
-          "|---|---|---|---|---|"]
+          "/ one gradient copy. The whole-run peak also covers construction and the warm-up steps "
+          "(what /usr/bin/time or a memory limit sees).", "",
+          "| engine | gradient_as_bucket_view | zero_grad(set_to_none) | peak MiB | whole-run peak MiB "
+          "| saving (gradient copies) |",
+          "|---|---|---|---|---|---|"]
     for r in rows:
         s = savings.get((r["engine"], r["set_to_none"])) if r["view"] else None
+        whole = r.get("whole_run_peak_bytes")  # absent in records older than this column
         md.append(f"| {r['engine']} | {r['view']} | {r['set_to_none']} | {r['peak_bytes'] / MiB:.0f} | "
-                  f"{'' if s is None else f'{s:.2f}'} |")
+                  f"{'' if whole is None else f'{whole / MiB:.0f}'} | {'' if s is None else f'{s:.2f}'} |")
     return md + [""]

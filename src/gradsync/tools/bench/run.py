@@ -138,6 +138,7 @@ def run_memory(plan: Plan, world: int, names: list[str], log) -> list[dict]:
                         plan.memory_steps, plan.bucket_cap_mb, timeout=900)
         rows.append({"engine": engine, "view": view, "set_to_none": stn,
                      "peak_bytes": max(r["peak_bytes"] for r in res),
+                     "whole_run_peak_bytes": max(r["whole_run_peak_bytes"] for r in res),
                      "grad_bytes": res[0]["param_bytes"]})
     return rows
 
