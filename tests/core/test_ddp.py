@@ -236,3 +236,27 @@ def test_rank_local_evaluation_needs_no_collective_and_changes_nothing():
             assert torch.equal(p_eval[name], p_plain[name]), name
         for name in b_plain:  # eval-mode forwards do not update running statistics either
             assert torch.equal(b_eval[name], b_plain[name]), name
+
+
+def converted_after_wrapping(rank, world_size, how):
+    model = gradsync.DDP(Normed(width=8), timeout=5)
+    ran = []
+    model.module.register_forward_pre_hook(lambda *_: ran.append(True))
+    if how == "meta":
+        model.to("meta")  # new Parameter objects, unlike the dtype conversions
+    else:
+        getattr(model if how == "double" else model.module, how)()  # the wrapper or the module
+        model.module.bn.running_mean.fill_(rank)
+    dtype = {"double": torch.float64, "half": torch.float16, "meta": torch.float32}[how]
+    device = "meta" if how == "meta" else "cpu"
+    with pytest.raises(RuntimeError, match=f"changed from torch.float32 on cpu to {dtype} on {device} after the "
+                                           r"module was wrapped .* before wrapping"):
+        model(torch.randn(4, 8, dtype=dtype, device=device))
+    assert not ran
+    if how != "meta":  # raised before the buffer broadcast: rank 1 kept its own running mean
+        assert torch.equal(model.module.bn.running_mean, torch.full((8,), float(rank), dtype=dtype))
+
+
+@pytest.mark.parametrize("how", ["double", "half", "meta"])
+def test_parameters_converted_after_wrapping_raise_at_the_next_forward(how):
+    run_ranks(converted_after_wrapping, 2, how, timeout=60)

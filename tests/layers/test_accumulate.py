@@ -1,5 +1,6 @@
 """GradientAccumulator: windows, communication counts, schedules, end of data, exact normalization."""
 import collections
+import warnings
 
 import pytest
 import torch
@@ -299,3 +300,41 @@ def test_state_dict_resumes_mid_window_bit_identically(stop_after):
     _, other = make_acc(steps=4)
     with pytest.raises(ValueError, match="checkpoint has steps=3"):
         other.load_state_dict(run_resumable(stop_after)["acc"])
+
+
+MEAN_LOSSES = {
+    "mse": lambda out, y: F.mse_loss(out, y),
+    "cross_entropy": lambda out, y: F.cross_entropy(out, y.argmax(1)),
+    "bce_with_logits": lambda out, y: F.binary_cross_entropy_with_logits(out, y.sigmoid()),
+    "smooth_l1": lambda out, y: F.smooth_l1_loss(out, y),
+    "mean": lambda out, y: (out - y).pow(2).sum(1).mean(),
+    "mean_over_dims": lambda out, y: (out - y).pow(2).mean((0, 1)),
+}
+SUM_LOSSES = {
+    "mse": lambda out, y: F.mse_loss(out, y, reduction="sum"),
+    "cross_entropy": lambda out, y: F.cross_entropy(out, y.argmax(1), reduction="sum"),
+    "sum": lambda out, y: (out - y).pow(2).sum(),
+    "row_means_summed": lambda out, y: F.mse_loss(out, y, reduction="none").mean(1).sum(),
+    "mean_of_one_sum": lambda out, y: (out - y).pow(2).sum().mean(),
+}
+
+
+@pytest.mark.parametrize("kind,name", [("mean", n) for n in MEAN_LOSSES] + [("sum", n) for n in SUM_LOSSES])
+def test_num_items_with_a_mean_loss_warns_once(kind, name):
+    model, acc = make_acc(steps=2)
+    make_loss = (MEAN_LOSSES if kind == "mean" else SUM_LOSSES)[name]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x, y in batches(4, 1):  # two windows: the warning comes once per accumulator
+            with acc.accumulate():
+                acc.backward(make_loss(model(x), y), num_items=len(x))
+        with acc.accumulate():  # a mean loss without num_items is right: no warning
+            acc.backward(MEAN_LOSSES[name](model(x), y) if kind == "mean" else F.mse_loss(model(x), y))
+    ours = [w for w in caught if issubclass(w.category, UserWarning)]
+    if kind == "sum":
+        assert ours == []
+    else:
+        message = str(ours[0].message)
+        assert len(ours) == 1 and "n times too small" in message
+        assert "reduction='sum'" in message and "acc.backward(loss) without num_items" in message
+        assert ours[0].filename == __file__  # points at the user's call

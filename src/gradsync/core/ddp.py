@@ -113,7 +113,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.world_size > 1:
                 self._broadcast(list(module.parameters())
                                 + (list(module.buffers()) if init_sync_buffers else []))
-        self._param_snapshot = [(p, p.requires_grad) for p in module.parameters()]
+        self._param_snapshot = [(p, p.requires_grad, p.dtype, p.device) for p in module.parameters()]
         self._build_reducer()
 
     def _build_reducer(self) -> None:
@@ -244,18 +244,32 @@ class DistributedDataParallel(nn.Module, Joinable):
         snapshot = self._param_snapshot
         current = list(self.module.parameters())
         if len(current) == len(snapshot) and all(
-                p is q and p.requires_grad == rg for p, (q, rg) in zip(current, snapshot)):
+                p is q and p.requires_grad == rg and p.dtype is dt and p.device == dev
+                for p, (q, rg, dt, dev) in zip(current, snapshot)):
             return False
         if inside_functional_call():
             # like torch: gradients of the substituted tensors stay local; if some of gradsync's
             # parameters are still in use, the backward synchronizes them as usual
             mine = {id(p) for p in self.reducer.params}
             return not any(id(p) in mine for p in current)
+        if len(current) == len(snapshot):
+            self._raise_converted()
         raise RuntimeError(
             "gradsync: the module's parameters changed after it was wrapped (a parameter was added, "
             "removed or replaced, or its requires_grad changed). gradsync only synchronizes the "
             "parameters it saw at construction; make such changes before wrapping, then wrap again."
         )
+
+    def _raise_converted(self) -> None:
+        """Raise if a parameter changed dtype or device: module.double() and .to() keep the
+        Parameter objects (except to or from meta) and swap their data."""
+        for (name, p), (_, _, dtype, device) in zip(self.module.named_parameters(), self._param_snapshot):
+            if p.dtype is not dtype or p.device != device:
+                raise RuntimeError(
+                    f"gradsync: parameter {name!r} changed from {dtype} on {device} to {p.dtype} on "
+                    f"{p.device} after the module was wrapped (model.double(), .half(), .to(...)). The "
+                    "gradient buckets keep the dtype and device the parameters had at construction; call "
+                    "module.to(...) before wrapping it in DistributedDataParallel, or wrap it again.")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -22,6 +23,7 @@ from .tree import flatten, narrow, row_bounds, unflatten
 from .window import _WindowOptimizer, _WindowScheduler
 
 _MEAN, _ITEMS = "mean loss", "num_items"
+_REDUCTION_MEAN = 1  # torch's at::Reduction: 0 none, 1 mean, 2 sum (saved by loss nodes)
 
 
 class GradientAccumulator:
@@ -58,6 +60,7 @@ class GradientAccumulator:
         self._weights: list[float] | None = None  # per-micro-step loss weights of a split() window
         self._next_weights: list[float] | None = None
         self.windows = 0  # windows started so far
+        self._warned_mean = False
 
     # ---------------------------------------------------------------- state
     @property
@@ -100,11 +103,12 @@ class GradientAccumulator:
                 self.model.require_backward_grad_sync = previous
 
     def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None) -> None:
-        """Back-propagate ``loss`` scaled so that a window's gradient equals one big batch's.
+        """With ``num_items=n``, ``loss`` must be the SUM over ``n`` local items; without it, a mean.
 
-        With ``num_items=None`` the loss is a mean over this micro-batch. With ``num_items=n`` it is
-        a sum over ``n`` items, and the window's gradient becomes the mean over every item of every
-        micro-step on every rank.
+        Back-propagates ``loss`` scaled so that a window's gradient equals one big batch's. With
+        ``num_items`` the window's gradient is the mean over every item of every micro-step on every
+        rank; a mean loss there would make it ``n`` times too small (warned once where the loss
+        visibly comes from a mean reduction).
         """
         if not self._active:
             raise RuntimeError("gradsync: acc.backward() must run inside `with acc.accumulate():` (the "
@@ -122,6 +126,12 @@ class GradientAccumulator:
                                "on every call, or on none)")
         self._backward_done = True
         if kind == _ITEMS:
+            if not self._warned_mean and _is_mean(loss):
+                self._warned_mean = True
+                warnings.warn("gradsync: acc.backward(loss, num_items=n) got a loss that is a mean, but it "
+                              "must be the sum over the n items, or the gradient comes out n times too "
+                              "small; pass the sum over the items, e.g. reduction='sum', or call "
+                              "acc.backward(loss) without num_items", UserWarning, stacklevel=2)
             self._backward_items(loss, count)
             return
         if self._weights is not None:
@@ -271,6 +281,16 @@ def _as_count(num_items: Any, device: torch.device) -> torch.Tensor:
         raise ValueError(f"gradsync: num_items must be a finite number >= 0 (the items the loss sums "
                          f"over), got {num_items!r}")
     return torch.tensor(float(num_items), dtype=torch.float64, device=device)
+
+
+def _is_mean(loss: Any) -> bool:
+    """True when ``loss`` comes straight from a mean over more than one element."""
+    fn = getattr(loss, "grad_fn", None)
+    if fn is None:
+        return False
+    if type(fn).__name__ in ("MeanBackward0", "MeanBackward1"):
+        return getattr(fn, "_saved_self_sym_numel", 0) > loss.numel()
+    return getattr(fn, "_saved_reduction", None) == _REDUCTION_MEAN  # loss functions' reduction='mean'
 
 
 def _rows(leaves: list[Any]) -> int:
