@@ -299,3 +299,27 @@ def sharded_join(rank, world_size):
 
 def test_join_on_a_sharded_model_raises_clearly():
     run_ranks(sharded_join, 2)
+
+
+def torch_clip(rank, world_size):
+    ours = gradsync.ShardedDataParallel(model(seed=0), **CAPS)
+    twin = gradsync.ShardedDataParallel(model(seed=0), **CAPS)
+    theirs = nn.parallel.DistributedDataParallel(model(seed=0))
+    data = batches(K, world_size, per_rank=4)
+    window(0, data, rank, world_size, [(ours, "no_sync"), (twin, "no_sync"), (theirs, "no_sync")])
+    a = torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.05)  # torch's function on the shards
+    b = twin.clip_grad_norm_(0.05)
+    c = torch.nn.utils.clip_grad_norm_(theirs.parameters(), 0.05)  # not sharded: torch's own
+    assert a.item() == b.item() and a.item() == pytest.approx(c.item(), rel=1e-5) and a.item() > 0.05
+    for x, y in zip(ours.reducer.buckets, twin.reducer.buckets):
+        assert torch.equal(x.grad_shard, y.grad_shard)
+    with pytest.raises(RuntimeError, match="some, not all.*model.clip_grad_norm_"):
+        torch.nn.utils.clip_grad_norm_(list(ours.parameters())[:2], 0.05)
+    with ours.no_sync():
+        (F.mse_loss(ours(shard(data[0][0], rank, world_size)), shard(data[0][1], rank, world_size))).backward()
+    with pytest.raises(RuntimeError, match="no_sync"):  # local gradients are not the window's gradient
+        torch.nn.utils.clip_grad_norm_(ours.parameters(), 0.05)
+
+
+def test_torch_clip_grad_norm_clips_the_shards():
+    run_ranks(torch_clip, 2)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from . import guard
 from .buckets import plan_buckets
 from .comm import CommHook
 from .graph import reachable_params
@@ -33,6 +34,8 @@ from .storage import BucketStorage
 
 class Reducer(BucketStorage, BucketLauncher):
     """Per-iteration state machine; bucket memory in ``BucketStorage``, launches in ``BucketLauncher``."""
+
+    wrapper_name = "DistributedDataParallel"  # named by the unsynchronized-step error
 
     def __init__(
         self,
@@ -92,6 +95,8 @@ class Reducer(BucketStorage, BucketLauncher):
         # the hooks hold the reducer weakly: parameters outlive a wrapper that was deleted
         me = weakref.ref(self)
         self._handles = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self.params)]
+        if self.world_size > 1:
+            guard.install()  # now, not at the first local backward: a step's closure may run that
 
     # ---------------------------------------------------------------- forward side
     def prepare_for_forward(self) -> None:
@@ -133,6 +138,7 @@ class Reducer(BucketStorage, BucketLauncher):
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if self._pending_forwards == 0:
             self._ignore_backward()
+            self._mark_unsynced()
             return
         self._pending_forwards -= 1
         self.backward_count += 1
@@ -140,6 +146,7 @@ class Reducer(BucketStorage, BucketLauncher):
             self._window_used = [p.grad is not None for p in self.params]
         self._syncing = self._armed and bool(self.should_sync())
         if not self._syncing:
+            self._mark_unsynced()
             return
         self._ready = [False] * len(self.params)
         self._hook_counts = [0] * len(self.params)
@@ -266,6 +273,7 @@ class Reducer(BucketStorage, BucketLauncher):
         if self._iter_trace is not None:
             self._record_trace()
         self._window_used = [False] * n
+        guard.mark_synced(self)
         self.sync_count += 1
         if self._ready_order is not None:
             self._rebuild_buckets()
@@ -276,10 +284,19 @@ class Reducer(BucketStorage, BucketLauncher):
         self._ignoring = False
         self._iter_trace = None
 
+    def _mark_unsynced(self) -> None:
+        if self.world_size > 1:  # on one rank every gradient is already the global one
+            guard.mark_unsynced(self)
+
+    def unsynced_params(self) -> list[int]:
+        """Indices of parameters holding gradients from backwards since the last synced one."""
+        return [i for i, used in enumerate(self._window_used) if used and self.params[i].grad is not None]
+
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        guard.forget(self)
 
 
 def _hook(reducer: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:

@@ -9,7 +9,6 @@ import contextlib
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..core.ddp import DistributedDataParallel
 from .sharded_reducer import ShardedReducer
@@ -70,33 +69,14 @@ class ShardedDataParallel(DistributedDataParallel):
         for bucket, shard in zip(self.reducer.buckets, state["shards"]):
             bucket.grad_shard.copy_(shard)
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
-        """Clip the sharded gradient by its global norm (across all ranks); return that norm."""
-        reducer = self.reducer
-        reducer.check_ready_to_step()
-        norm_type = float(norm_type)
-        shards = [b.grad_shard for b in reducer.buckets]
-        device = shards[0].device
-        if norm_type == float("inf"):
-            local = torch.stack([s.abs().max() for s in shards]).max().to(torch.float64)
-            op = dist.ReduceOp.MAX
-        else:
-            local = sum((s.double().abs().pow(norm_type).sum() for s in shards),
-                        torch.zeros((), dtype=torch.float64, device=device))
-            op = dist.ReduceOp.SUM
-        reducer.wait(dist.all_reduce(local, op=op, group=self.process_group, async_op=True),
-                      "the gradient-norm all-reduce")
-        total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
-        total = total.to(shards[0].dtype)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"gradsync: the total norm of order {norm_type} of the gradients is "
-                               "non-finite, so it cannot be clipped. Pass error_if_nonfinite=False "
-                               "to clip anyway.")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(shards, coef)
-        return total
+        """Clip the sharded gradient by its global norm (across all ranks); return that norm.
+
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does the same once a
+        ``ShardedDataParallel`` exists; given only part of the parameters it raises.
+        """
+        return self.reducer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
 
 __all__ = ["ShardedDataParallel"]

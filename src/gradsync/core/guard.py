@@ -1,0 +1,125 @@
+"""Refuse an optimizer step on gradients that local backwards left unsynchronized.
+
+A reducer whose backward ran without synchronizing (``no_sync``, or a backward without the
+wrapper's forward) marks itself here; the end of its next synced backward unmarks it. One
+global optimizer-step pre-hook (torch calls it for every optimizer) asks the marked reducers
+whether the optimizer's parameters hold such gradients and raises before anything changes.
+With no reducer marked, which is every step of a correct loop, the hook only tests two sets.
+Reducers whose parameters only their own optimizer may step (sharded gradients: ``.grad`` is
+None after a synced backward, so a plain optimizer would silently do nothing) register as
+exclusive and are asked about every step that touches their parameters.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+_unsynced: weakref.WeakSet = weakref.WeakSet()  # a deleted wrapper's reducer drops out by itself
+_exclusive: weakref.WeakSet = weakref.WeakSet()
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _entry()
+_version = 0  # bumped when _exclusive changes: cached entries recompute what they touch
+_handle: Any = None
+
+
+def install() -> None:
+    """Register the global optimizer-step pre-hook (once per process)."""
+    global _handle
+    if _handle is None:
+        _handle = register_optimizer_step_pre_hook(_check_step)
+
+
+def mark_unsynced(reducer: Any) -> None:
+    """Note that ``reducer``'s parameters may hold gradients that were not reduced yet."""
+    _unsynced.add(reducer)
+    install()
+
+
+def mark_synced(reducer: Any) -> None:
+    _unsynced.discard(reducer)
+
+
+def mark_exclusive(reducer: Any) -> None:
+    """Ask ``reducer.check_foreign_step(optimizer)`` before any step on its parameters."""
+    global _version
+    _exclusive.add(reducer)
+    _version += 1
+    install()
+
+
+def forget(reducer: Any) -> None:
+    """The wrapper is gone: its parameters train locally from now on."""
+    global _version
+    _unsynced.discard(reducer)
+    if reducer in _exclusive:
+        _exclusive.discard(reducer)
+        _version += 1
+
+
+def _entry(optimizer: torch.optim.Optimizer) -> list:
+    """[signature, parameter ids, exclusive-set version, exclusive reducers touched], cached."""
+    groups = optimizer.param_groups
+    signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
+    try:
+        entry = _cache.get(optimizer)
+    except TypeError:  # not weak-referenceable: no cache
+        entry = None
+    if entry is None or entry[0] != signature:
+        entry = [signature, frozenset(id(p) for g in groups for p in g["params"]), -1, ()]
+        try:
+            _cache[optimizer] = entry
+        except TypeError:
+            pass
+    if entry[2] != _version:
+        entry[3] = tuple(weakref.ref(r) for r in _exclusive if not r._index_of.keys().isdisjoint(entry[1]))
+        entry[2] = _version
+    return entry
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+    if not callable(closure):
+        _check(optimizer)
+        return None
+
+    # The closure's backward may be the window's synced one (Lightning steps that way): check
+    # after it, still before the optimizer updates anything.
+    def checked(*a: Any, **k: Any) -> Any:
+        loss = closure(*a, **k)
+        _check(optimizer)
+        return loss
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": checked}
+    return (args[0], checked, *args[2:]), kwargs
+
+
+def _check(optimizer: torch.optim.Optimizer) -> None:
+    if not (_unsynced or _exclusive):
+        return
+    _, ids, _, touched = _entry(optimizer)
+    for ref in touched:
+        reducer = ref()
+        if reducer is not None:
+            reducer.check_foreign_step(optimizer)
+    for reducer in list(_unsynced) if _unsynced else ():
+        pending = reducer.unsynced_params()
+        if not pending:  # zero_grad() dropped them
+            _unsynced.discard(reducer)
+            continue
+        names = [reducer.names[i] for i in pending if id(reducer.params[i]) in ids]
+        if names:
+            shown = ", ".join(f"'{n}'" for n in names[:5]) + (", ..." if len(names) > 5 else "")
+            raise RuntimeError(
+                f"gradsync: {type(optimizer).__name__}.step() would apply unsynchronized gradients: "
+                f"{len(names)} parameter(s) of the {reducer.wrapper_name} model ({shown}) hold "
+                "gradients from backward(s) under no_sync() (or without a forward through the "
+                "wrapper) that were not reduced across ranks yet, so every rank would step with its "
+                "own gradients and the replicas would drift apart. Run the accumulation window's last "
+                "backward with gradient sync enabled before optimizer.step(), or wrap the optimizer "
+                "with GradientAccumulator.wrap_optimizer() so that it steps only where a window ends "
+                "(or call optimizer.zero_grad() to discard those gradients).")
+
+
+__all__ = ["forget", "install", "mark_exclusive", "mark_synced", "mark_unsynced"]

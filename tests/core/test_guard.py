@@ -1,0 +1,150 @@
+"""An optimizer step on gradients that local backwards left unsynchronized raises on every rank."""
+import gc
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradsync
+from gradsync.tools.launch import run_ranks
+from helpers import batches, mlp, params, shard
+
+UNSYNCED = "unsynchronized gradients"
+
+
+def _loss(model, x, y):
+    return F.mse_loss(model(x), y)
+
+
+def bypassed(rank, world_size, how):
+    """The optimizer steps on every micro-step although the gradients are only synced every 2nd."""
+    model = gradsync.DDP(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = params(model.module)
+    x, y = [shard(t, rank, world_size) for t in batches(1, world_size)[0]]
+    if how == "accumulator":
+        acc = gradsync.GradientAccumulator(model, steps=2)
+        with acc.accumulate():
+            acc.backward(_loss(model, x, y))
+    elif how == "no_sync":
+        with model.no_sync():
+            _loss(model, x, y).backward()
+    elif how == "attribute":  # nanoGPT style
+        model.require_backward_grad_sync = False
+        _loss(model, x, y).backward()
+    elif how == "second_backward":  # synced, then a second (local) backward through the same forward
+        loss = _loss(model, x, y)
+        loss.backward(retain_graph=True)
+        with pytest.warns(UserWarning, match="without a forward"):
+            loss.backward()
+    if how == "closure":  # the closure's backward runs inside step(): checked after it
+        def closure():
+            with model.no_sync():
+                loss = _loss(model, x, y)
+                loss.backward()
+            return loss
+        with pytest.raises(RuntimeError, match=f"{UNSYNCED}.*wrap_optimizer"):
+            opt.step(closure)
+    else:
+        with pytest.raises(RuntimeError, match=f"{UNSYNCED}.*wrap_optimizer"):
+            opt.step()
+    after = params(model.module)
+    assert all(torch.equal(before[k], after[k]) for k in before)  # raised before changing anything
+
+
+@pytest.mark.parametrize("how", ["accumulator", "no_sync", "attribute", "second_backward", "closure"])
+def test_optimizer_step_on_unsynchronized_gradients_raises_on_every_rank(how):
+    run_ranks(bypassed, 2, how)
+
+
+def legit(rank, world_size, how):
+    torch.manual_seed(0)
+    model = gradsync.DDP(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = [[shard(t, rank, world_size) for t in b] for b in batches(4, world_size)]
+    if how == "accumulator":
+        acc = gradsync.GradientAccumulator(model, steps=2)
+        opt = acc.wrap_optimizer(opt)
+        for x, y in acc.iterate(data):
+            with acc.accumulate():
+                acc.backward(_loss(model, x, y))
+                opt.step()
+                opt.zero_grad()
+    elif how == "plain":
+        for x, y in data:
+            _loss(model, x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    elif how == "manual_window":
+        for k, (x, y) in enumerate(data):
+            model.require_backward_grad_sync = k % 2 == 1
+            _loss(model, x, y).backward()
+            if k % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+    elif how == "noop_hook":
+        model.register_comm_hook(None, gradsync.noop_hook)
+        for x, y in data:
+            _loss(model, x, y).backward()
+            opt.step()
+    elif how == "closure":  # Lightning style: the window's synced backward runs in step(closure)
+        with model.no_sync():
+            _loss(model, *data[0]).backward()
+
+        def closure():
+            loss = _loss(model, *data[1])
+            loss.backward()
+            return loss
+        opt.step(closure=closure)
+    elif how == "discarded":  # a window's local gradients dropped with zero_grad
+        with model.no_sync():
+            _loss(model, *data[0]).backward()
+        opt.zero_grad()
+        opt.step()
+    elif how == "other_model":  # another model's optimizer steps while this one accumulates
+        other = torch.nn.Linear(3, 3)
+        other_opt = torch.optim.SGD(other.parameters(), lr=0.1)
+        with model.no_sync():
+            _loss(model, *data[0]).backward()
+        other(torch.randn(2, 3)).sum().backward()
+        other_opt.step()
+    elif how == "deleted_wrapper":  # the wrapper is gone: its parameters train locally
+        with model.no_sync():
+            _loss(model, *data[0]).backward()
+        del model
+        gc.collect()
+        opt.step()
+
+
+@pytest.mark.parametrize("how", ["accumulator", "plain", "manual_window", "noop_hook", "closure", "discarded",
+                                 "other_model", "deleted_wrapper"])
+def test_legitimate_steps_do_not_raise(how):
+    run_ranks(legit, 2, how)
+
+
+def single_rank(rank, world_size):
+    model = gradsync.DDP(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with model.no_sync():
+        model(torch.randn(4, 8)).sum().backward()
+    opt.step()  # one rank: nothing to synchronize
+
+
+def test_world_size_one_does_not_raise():
+    run_ranks(single_rank, 1)
+
+
+def sharded_with_torch_optimizer(rank, world_size, sync):
+    model = gradsync.ShardedDataParallel(mlp())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.require_backward_grad_sync = sync
+    model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="ShardedDataParallel.*gradsync.ShardedOptimizer"):
+        opt.step()  # synced: .grad is None, so it would do nothing; local: unsynchronized
+    del opt, model
+    gc.collect()
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_torch_optimizer_on_a_sharded_model_raises(sync):
+    run_ranks(sharded_with_torch_optimizer, 2, sync)
