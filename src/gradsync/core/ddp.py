@@ -5,7 +5,6 @@ Construction checks and torch's constructor options are resolved in ``construct.
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -15,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Joinable, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.utils import _to_kwargs
 
 from .comm import CommHook
@@ -26,9 +25,10 @@ from .control import SyncError, bounded_wait
 from .delay import DelayedAllReduce
 from .join import DDPJoinHook, Join
 from .reducer import Reducer
+from .torch_extras import TorchDDPExtras
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
     """Data parallelism with bucketed, backward-overlapped gradient averaging.
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (torch 2.13): the same constructor
@@ -290,25 +290,6 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("gradsync: register_comm_hook must be called before the first backward")
         self.reducer.comm_hook, self.reducer.comm_state = hook, state
 
-    def __getstate__(self) -> dict[str, Any]:
-        """Pickle without the process group and reducer (``torch.save(model)``), as torch does."""
-        if self.process_group != dist.group.WORLD:
-            raise RuntimeError("DDP Pickling/Unpickling are only supported when using DDP with the default "
-                               "process group. That is, when you have called init_process_group and have "
-                               "not passed process_group argument to DDP constructor")
-        attrs = copy.copy(self.__dict__)
-        attrs["_check_finite"] = self.reducer.check_finite
-        for name in ("process_group", "reducer", "_join", "_delayed"):
-            del attrs[name]
-        attrs["_join_config"] = _JoinConfig.construct_disabled_join_config()
-        return attrs
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        """Rebuild on the default process group: a fresh reducer, no collective."""
-        self.process_group = dist.group.WORLD
-        super().__setstate__(state)
-        self._build_reducer()
-
     def enable_comm_trace(self) -> list[dict]:
         """Start recording a per-bucket timeline of every synced backward; return the record list."""
         if self.reducer.trace is None:
@@ -324,27 +305,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         grads = [p.grad for p in self.reducer.params if p.grad is not None]
         if grads:
             torch._foreach_mul_(grads, factor)
-
-    def _set_static_graph(self) -> None:
-        """Turn on ``static_graph`` after construction (torch's private API), before any backward."""
-        if self.reducer.backward_count:
-            raise RuntimeError("gradsync: _set_static_graph() should be called before training loop starts "
-                               "(construct the wrapper with static_graph=True instead)")
-        if self.static_graph:
-            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
-            return
-        self.static_graph = self.reducer.static_graph = self._reducer_options["static_graph"] = True
-
-    def _get_ddp_logging_data(self) -> dict[str, Any]:
-        """A few of torch's logging fields (frameworks read it at teardown); gradsync runs no C++ logger.
-
-        ``can_set_static_graph`` is 0: gradsync does not analyse whether the graph was static.
-        """
-        reducer = self.reducer
-        return {"world_size": self.world_size, "rank": reducer.rank, "backend_name": dist.get_backend(
-                    self.process_group), "find_unused_parameters": int(self.find_unused_parameters),
-                "static_graph": int(self.static_graph), "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
-                "num_buckets": len(reducer.buckets), "iteration": reducer.sync_count, "can_set_static_graph": 0}
 
     def grad_state_dict(self) -> dict[str, Any]:
         """Return this rank's gradients and the bucket layout: save both at every checkpoint.

@@ -1,0 +1,54 @@
+"""What torch's DDP offers besides training, for code written against it: pickling, and the
+private switches frameworks call (Lightning reads ``_get_ddp_logging_data()`` at teardown)."""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+from torch.distributed.algorithms.join import _JoinConfig
+
+
+class TorchDDPExtras:
+    """Mixed into ``DistributedDataParallel``; uses its ``reducer``, ``process_group`` and options."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle without the process group and reducer (``torch.save(model)``), as torch does."""
+        if self.process_group != dist.group.WORLD:
+            raise RuntimeError("DDP Pickling/Unpickling are only supported when using DDP with the default "
+                               "process group. That is, when you have called init_process_group and have "
+                               "not passed process_group argument to DDP constructor")
+        attrs = copy.copy(self.__dict__)
+        attrs["_check_finite"] = self.reducer.check_finite
+        for name in ("process_group", "reducer", "_join", "_delayed"):
+            del attrs[name]
+        attrs["_join_config"] = _JoinConfig.construct_disabled_join_config()
+        return attrs
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild on the default process group: a fresh reducer, no collective."""
+        self.process_group = dist.group.WORLD
+        super().__setstate__(state)
+        self._build_reducer()
+
+    def _set_static_graph(self) -> None:
+        """Turn on ``static_graph`` after construction (torch's private API), before any backward."""
+        if self.reducer.backward_count:
+            raise RuntimeError("gradsync: _set_static_graph() should be called before training loop starts "
+                               "(construct the wrapper with static_graph=True instead)")
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        self.static_graph = self.reducer.static_graph = self._reducer_options["static_graph"] = True
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """A few of torch's logging fields (frameworks read it at teardown); gradsync runs no C++ logger.
+
+        ``can_set_static_graph`` is 0: gradsync does not analyse whether the graph was static.
+        """
+        reducer = self.reducer
+        return {"world_size": self.world_size, "rank": reducer.rank, "backend_name": dist.get_backend(
+                    self.process_group), "find_unused_parameters": int(self.find_unused_parameters),
+                "static_graph": int(self.static_graph), "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
+                "num_buckets": len(reducer.buckets), "iteration": reducer.sync_count, "can_set_static_graph": 0}
