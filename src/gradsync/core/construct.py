@@ -249,23 +249,6 @@ def claim(params: Sequence[torch.Tensor], wrapper: Any) -> None:
     _OWNER.update((id(p), wrapper) for p in params)
 
 
-def inside_functional_call() -> bool:
-    """True when called (indirectly) from ``torch.func.functional_call``, which swaps parameters
-    for the duration of one call."""
-    code = _functional_call_code()
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _functional_call_code():
-    from torch.nn.utils import stateless
-    return stateless._functional_call.__code__
-
-
 _FUTURE_TYPES = (torch.futures.Future, torch.futures.Future[torch.Tensor])
 
 

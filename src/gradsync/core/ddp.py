@@ -18,13 +18,14 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.utils import _to_kwargs
 
 from .comm import CommHook
-from .construct import (broadcast_coalesced, check_comm_hook, check_wrappable, claim, inside_functional_call,
+from .construct import (broadcast_coalesced, check_comm_hook, check_wrappable, claim,
                         resolve_bucket_caps, resolve_buffer_sync, resolve_device_ids, resolve_group,
                         resolve_timeout, verify_same_model)
 from .control import SyncError, bounded_wait
 from .delay import DelayedAllReduce
 from .join import DDPJoinHook, Join
 from .reducer import Reducer
+from .snapshot import parameters_swapped, snapshot
 from .torch_extras import TorchDDPExtras
 
 
@@ -113,7 +114,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
             if self.world_size > 1:
                 self._broadcast(list(module.parameters())
                                 + (list(module.buffers()) if init_sync_buffers else []))
-        self._param_snapshot = [(p, p.requires_grad, p.dtype, p.device) for p in module.parameters()]
+        self._param_snapshot = snapshot(module)
         self._build_reducer()
 
     def _build_reducer(self) -> None:
@@ -157,7 +158,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         self.reducer.prepare_for_forward()
         if self._delayed is not None:
             self._delayed.prepare_for_forward()
-        swapped = self._parameters_swapped()
+        swapped = parameters_swapped(self.module, self._param_snapshot, self.reducer.params)
         self._check_group()
         src = self._join.before_forward() if self._join_config.enable and self._join is not None else 0
         if self._will_broadcast_buffers():
@@ -237,39 +238,6 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
     @property
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
-
-    def _parameters_swapped(self) -> bool:
-        """Return True while ``torch.func.functional_call`` substitutes all parameters (then this
-        forward is local); raise if the parameters changed for good."""
-        snapshot = self._param_snapshot
-        current = list(self.module.parameters())
-        if len(current) == len(snapshot) and all(
-                p is q and p.requires_grad == rg and p.dtype is dt and p.device == dev
-                for p, (q, rg, dt, dev) in zip(current, snapshot)):
-            return False
-        if inside_functional_call():
-            # like torch: gradients of the substituted tensors stay local; if some of gradsync's
-            # parameters are still in use, the backward synchronizes them as usual
-            mine = {id(p) for p in self.reducer.params}
-            return not any(id(p) in mine for p in current)
-        if len(current) == len(snapshot):
-            self._raise_converted()
-        raise RuntimeError(
-            "gradsync: the module's parameters changed after it was wrapped (a parameter was added, "
-            "removed or replaced, or its requires_grad changed). gradsync only synchronizes the "
-            "parameters it saw at construction; make such changes before wrapping, then wrap again."
-        )
-
-    def _raise_converted(self) -> None:
-        """Raise if a parameter changed dtype or device: module.double() and .to() keep the
-        Parameter objects (except to or from meta) and swap their data."""
-        for (name, p), (_, _, dtype, device) in zip(self.module.named_parameters(), self._param_snapshot):
-            if p.dtype is not dtype or p.device != device:
-                raise RuntimeError(
-                    f"gradsync: parameter {name!r} changed from {dtype} on {device} to {p.dtype} on "
-                    f"{p.device} after the module was wrapped (model.double(), .half(), .to(...)). The "
-                    "gradient buckets keep the dtype and device the parameters had at construction; call "
-                    "module.to(...) before wrapping it in DistributedDataParallel, or wrap it again.")
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -103,7 +103,7 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
         reducer = ref()
         if reducer is not None:
             reducer.check_foreign_step(optimizer)
-    for reducer in list(_unsynced) if _unsynced else ():
+    for reducer in list(_unsynced):  # a copy: the loop may discard
         pending = reducer.unsynced_params()
         if not pending:  # zero_grad() dropped them
             _unsynced.discard(reducer)

@@ -76,7 +76,6 @@ class Reducer(BucketStorage, BucketLauncher):
         self.forward_count = 0  # training forwards with grad enabled: catches skipped backwards
         self._in_backward = False
         self._syncing = False
-        self._ignoring = False  # in a backward that no forward of the wrapper prepared (torch ignores it)
         self._warned_ignored = False
         self._pending_forwards = 0  # forwards (or prepare_for_backward calls) not yet followed by a backward
         self._armed = False  # the latest forward wanted its backward to synchronize
@@ -136,15 +135,14 @@ class Reducer(BucketStorage, BucketLauncher):
     def _begin_backward(self) -> None:
         self._in_backward = True
         torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
-        if self._pending_forwards == 0:
-            self._ignore_backward()
-            self._mark_unsynced()
-            return
-        self._pending_forwards -= 1
-        self.backward_count += 1
-        if self.backward_count == 1:  # gradients restored from a mid-window checkpoint are window state
-            self._window_used = [p.grad is not None for p in self.params]
-        self._syncing = self._armed and bool(self.should_sync())
+        if self._pending_forwards == 0:  # no forward of the wrapper prepared it: local, as in torch
+            self._warn_unprepared_backward()
+        else:
+            self._pending_forwards -= 1
+            self.backward_count += 1
+            if self.backward_count == 1:  # gradients restored from a mid-window checkpoint are window state
+                self._window_used = [p.grad is not None for p in self.params]
+            self._syncing = self._armed and bool(self.should_sync())
         if not self._syncing:
             self._mark_unsynced()
             return
@@ -200,14 +198,13 @@ class Reducer(BucketStorage, BucketLauncher):
             self._launch_ready_buckets()
 
     # ---------------------------------------------------------------- end of backward
-    def _ignore_backward(self) -> None:
-        """A backward that no forward of the wrapper prepared: local only, like torch.
+    def _warn_unprepared_backward(self) -> None:
+        """Once: a backward that no forward of the wrapper prepared stays local, like torch's.
 
         Its gradients stay in ``.grad`` and count as used in the window, so the next synced
-        backward reduces them. ``create_graph`` backwards and a second backward through one
-        forward (``retain_graph=True``) land here too.
+        backward reduces them. A second backward through one forward (``retain_graph=True``)
+        lands here too.
         """
-        self._ignoring = True
         if not self._warned_ignored:
             self._warned_ignored = True
             warnings.warn(
@@ -225,7 +222,6 @@ class Reducer(BucketStorage, BucketLauncher):
         finally:
             self._in_backward = False
             self._syncing = False
-            self._ignoring = False
 
     def _finish_sync(self) -> None:
         n = len(self.params)
@@ -281,7 +277,6 @@ class Reducer(BucketStorage, BucketLauncher):
     def _reset_iteration(self) -> None:
         self._in_backward = False
         self._syncing = False
-        self._ignoring = False
         self._iter_trace = None
 
     def _mark_unsynced(self) -> None:

@@ -1,0 +1,68 @@
+"""The parameters a wrapper saw at construction, checked before each forward.
+
+The buckets are laid out for exactly these parameters, dtypes and devices: a parameter added,
+replaced or converted (``model.double()``, ``.to()``) after wrapping must fail loudly at the next
+forward, while ``torch.func.functional_call`` may substitute them for the length of one call.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+
+def snapshot(module: nn.Module) -> list[tuple]:
+    return [(p, p.requires_grad, p.dtype, p.device) for p in module.parameters()]
+
+
+def parameters_swapped(module: nn.Module, taken: list[tuple], own: Sequence[torch.Tensor]) -> bool:
+    """Return True while ``torch.func.functional_call`` substitutes all of ``own`` (then the
+    forward is local); raise if the parameters changed for good."""
+    current = list(module.parameters())
+    if len(current) == len(taken) and all(
+            p is q and p.requires_grad == rg and p.dtype is dt and p.device == dev
+            for p, (q, rg, dt, dev) in zip(current, taken)):
+        return False
+    if inside_functional_call():
+        # like torch: gradients of the substituted tensors stay local; if some of gradsync's
+        # parameters are still in use, the backward synchronizes them as usual
+        mine = {id(p) for p in own}
+        return not any(id(p) in mine for p in current)
+    if len(current) == len(taken):
+        _raise_converted(module, taken)
+    raise RuntimeError(
+        "gradsync: the module's parameters changed after it was wrapped (a parameter was added, "
+        "removed or replaced, or its requires_grad changed). gradsync only synchronizes the "
+        "parameters it saw at construction; make such changes before wrapping, then wrap again."
+    )
+
+
+def _raise_converted(module: nn.Module, taken: list[tuple]) -> None:
+    """Raise if a parameter changed dtype or device: module.double() and .to() keep the
+    Parameter objects (except to or from meta) and swap their data."""
+    for (name, p), (_, _, dtype, device) in zip(module.named_parameters(), taken):
+        if p.dtype is not dtype or p.device != device:
+            raise RuntimeError(
+                f"gradsync: parameter {name!r} changed from {dtype} on {device} to {p.dtype} on "
+                f"{p.device} after the module was wrapped (model.double(), .half(), .to(...)). The "
+                "gradient buckets keep the dtype and device the parameters had at construction; call "
+                "module.to(...) before wrapping it in DistributedDataParallel, or wrap it again.")
+
+
+def inside_functional_call() -> bool:
+    """True when called (indirectly) from ``torch.func.functional_call``, which swaps parameters
+    for the duration of one call."""
+    code = _functional_call_code()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _functional_call_code():
+    from torch.nn.utils import stateless
+    return stateless._functional_call.__code__
