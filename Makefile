@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # for tests/compat) depends on torch too, so the pin goes on that pip line as well.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test bench install clean
+.PHONY: demo test test-slow bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest tests
+
+# minutes-long proofs kept out of `make test` (e.g. a rank pausing 3 minutes between steps)
+test-slow: install
+	$(PY) -m pytest tests -m slow -s
 
 bench: install
 	$(VENV)/bin/gradsync bench

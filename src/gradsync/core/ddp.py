@@ -23,6 +23,7 @@ from .construct import (broadcast_coalesced, check_comm_hook, check_wrappable, c
                         resolve_timeout, verify_same_model)
 from .control import SyncError, bounded_wait
 from .delay import DelayedAllReduce
+from .header import FORWARD
 from .join import DDPJoinHook, Join
 from .reducer import Reducer
 from .snapshot import parameters_swapped, snapshot
@@ -161,8 +162,10 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         swapped = parameters_swapped(self.module, self._param_snapshot, self.reducer.params)
         self._check_group()
         src = self._join.before_forward() if self._join_config.enable and self._join is not None else 0
-        if self._will_broadcast_buffers():
-            self._broadcast(list(self.module.buffers()), src)
+        buffers = list(self.module.buffers()) if self._will_broadcast_buffers() else []
+        if buffers:
+            self.reducer.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
+            self._broadcast(buffers, src)
         if self.device_ids:  # a single-GPU module: inputs move to its device, as in torch
             moved, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device(self.device.type, self.device_ids[0]),
                                              True)

@@ -10,7 +10,8 @@ sets its own slot to 1 and adds whether this forward's backward syncs and whethe
 buffers; a joined rank's ``main_hook`` adds zeros. From the sum every rank learns who is active
 and what follows, and a joined rank shadows exactly those collectives: the buffer broadcast
 (from the lowest active rank) and, when the backward syncs, every bucket's collective with zero
-gradients plus the end-of-backward check. Once every rank has joined, ``post_hook`` copies the
+gradients plus the end-of-backward check, each preceded by a phase header with an empty row
+(``header.py``). Once every rank has joined, ``post_hook`` copies the
 parameters (and buffers, when they sync at runtime) from the highest rank among the last active
 ones, as torch does. Gradients divide by the full world size (zeros from joined ranks) unless
 ``divide_by_initial_world_size=False``, which divides by the number of active ranks.
@@ -92,6 +93,7 @@ class DDPJoinHook(JoinHook):
         ddp.reducer.active_ranks = active
         buffers = list(ddp.module.buffers())
         if broadcasts and buffers:
+            ddp.reducer.exchange_header(0)
             ddp._broadcast(buffers, active[0])
         if syncs:
             shadow_backward(ddp.reducer)
@@ -167,6 +169,7 @@ def average_over_active_ranks(join: DDPJoinHook, bucket: Any) -> torch.futures.F
 
 def shadow_backward(reducer: Reducer) -> None:
     """Take part in the active ranks' synced backward with zero gradients."""
+    reducer.exchange_header(0)
     works: list = []
     for b in reducer.buckets:
         zeros = torch.zeros_like(b.buffer)

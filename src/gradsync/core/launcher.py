@@ -15,12 +15,43 @@ import torch.distributed as dist
 
 from .comm import GradBucket, issues_one_collective
 from .control import SyncError, bounded_wait
+from .header import check_header, header_tensor
 from .storage import Bucket
 
 
 class BucketLauncher:
+    _header: torch.Tensor | None = None
+    _header_work: Any = None
+    phase_headers = True  # False only to measure what they cost (benchmarks/header_cost.py)
+
+    def launch_header(self, kind: int) -> None:
+        """Start this phase's header all-reduce (``header.py``); ``kind=0`` shadows as a joined rank."""
+        if self.world_size > 1 and self.phase_headers:
+            self._header = header_tensor(self.rank, self.world_size, kind, self.forward_count,
+                                         self.backward_count, self.device)
+            self._header_work = dist.all_reduce(self._header, group=self.group, async_op=True)
+
+    def check_header(self) -> None:
+        """Wait for the pending header; raise on every rank unless all are in the same phase."""
+        work, self._header_work = self._header_work, None
+        if work is None:
+            return
+        self.wait(work, "the phase header")  # a slow rank is fine: this waits the usual bound
+        active = self.active_ranks if self.active_ranks is not None else range(self.world_size)
+        check_header(self._header, rank=self.rank, active=list(active))
+
+    def exchange_header(self, kind: int) -> None:
+        """Run a header to completion before a phase whose first collective must pair (a broadcast)."""
+        self.launch_header(kind)
+        self.check_header()
+
     def _launch_ready_buckets(self) -> None:
         buckets = self.buckets
+        if self._header_work is not None and buckets[self._next_launch].pending == 0:
+            # before the first bucket, which must pair with a bucket everywhere; blocking here costs
+            # at most one small all-reduce's latency per synced backward, hidden when the first
+            # bucket fills later than that after the backward's first gradient
+            self.check_header()
         while self._next_launch < len(buckets) and buckets[self._next_launch].pending == 0:
             self._launch(buckets[self._next_launch])
             self._next_launch += 1

@@ -8,8 +8,9 @@ end of backward is caught with the autograd engine's queued callback, where the 
 (bounded) for every bucket and writes the averages back into ``.grad``. Bucket memory lives in
 ``storage.py``, launches and waits in ``launcher.py``; this file is the state machine.
 
-Each synced backward ends with the control all-reduce of ``control.py``, which lets every rank
-detect diverging ranks and missing or unused gradients without an extra round trip.
+Each synced backward starts with the phase header of ``header.py`` (ranks in different phases
+raise instead of waiting for the timeout) and ends with the control all-reduce of
+``control.py``, which checks the counters again and finds missing or unused gradients.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from . import guard
 from .buckets import plan_buckets
 from .comm import CommHook
 from .graph import reachable_params
+from .header import BACKWARD
 from .control import check_agreement, check_finite, check_missing, control_tensor, used_counts
 from .launcher import BucketLauncher
 from .storage import BucketStorage
@@ -152,6 +154,7 @@ class Reducer(BucketStorage, BucketLauncher):
         for b in self.buckets:
             b.pending = len(b.members)
             b.handle = None
+        self.launch_header(BACKWARD)  # checked before the first bucket launches
         if self._ready_order is None and not self._rebuilt:
             self._ready_order = []
         if self.trace is not None:
@@ -232,12 +235,12 @@ class Reducer(BucketStorage, BucketLauncher):
                 self._copy_to_bucket(i)
             for b in self.buckets:
                 b.pending = 0
-            self._launch_ready_buckets()
         ready_in_hooks = list(self._ready)
         missing = [i for i in range(n) if not ready_in_hooks[i]]
         graph_changed = self.static_graph and bool(missing)
         for i in missing:  # launch every bucket anyway so peers are not left waiting
             self._mark_ready(i, from_hook=False)
+        self._launch_ready_buckets()
 
         tracks_unused = self.find_unused_parameters or self.static_graph
         used = self._window_used if tracks_unused else ready_in_hooks
@@ -278,6 +281,7 @@ class Reducer(BucketStorage, BucketLauncher):
         self._in_backward = False
         self._syncing = False
         self._iter_trace = None
+        self._header_work = None
 
     def _mark_unsynced(self) -> None:
         if self.world_size > 1:  # on one rank every gradient is already the global one

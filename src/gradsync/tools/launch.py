@@ -21,11 +21,12 @@ class RankError(RuntimeError):
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
-              pg_timeout: float = 20.0, backend: str = "gloo", threads: int = 1,
+              pg_timeout: float | None = 20.0, backend: str = "gloo", threads: int = 1,
               return_errors: bool = False) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` forked processes; return their results.
 
-    Each rank joins a fresh process group (file:// store, ``pg_timeout`` seconds). A rank's
+    Each rank joins a fresh process group (file:// store, ``pg_timeout`` seconds; None: torch's
+    default, as a user's script gets). A rank's
     exception is re-raised here with its rank number and traceback; ranks still running after
     ``timeout`` seconds are killed. With ``return_errors``, a failed rank's entry in the result
     list is a ``RankError`` instead and nothing is raised. Fork makes a 2-4 rank run cost ~0.1 s instead of seconds.
@@ -58,8 +59,9 @@ def _child(fn, rank, world_size, args, store, pg_timeout, backend, threads, send
     code = 0
     try:
         torch.set_num_threads(threads)
+        timeout = {} if pg_timeout is None else {"timeout": timedelta(seconds=pg_timeout)}
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+                                world_size=world_size, **timeout)
         # gloo connects lazily; without this a rank that returns at once can break a peer's set-up
         dist.barrier()
         result = fn(rank, world_size, *args)

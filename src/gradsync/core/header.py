@@ -1,0 +1,63 @@
+"""Phase headers: every phase of collectives gradsync issues starts with the same small all-reduce.
+
+gloo pairs the k-th collective of one rank with the k-th of every other rank, and two
+collectives of different kinds (a buffer broadcast and a bucket all-reduce) never complete:
+both ranks would wait for the process group's timeout, 30 minutes by default. So each phase
+(the buffer broadcast of a training forward, a synced backward) first all-reduces a header of
+the same shape on every rank: one row per rank, ``[kind, forward count, backward count]``,
+each rank writing only its own row. Whatever phase each rank is in, the headers pair with each
+other, every rank learns what every other rank is doing, and all raise the same diagnosis
+before issuing anything that could not pair. A rank that is merely slow is not an error: the
+others wait in the header for the usual bound.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .control import SyncError
+
+FORWARD, BACKWARD = 1, 2  # a joined rank shadowing the others writes a row of zeros
+
+
+def header_tensor(rank: int, world_size: int, kind: int, forward_count: int, backward_count: int,
+                  device: torch.device | None = None) -> torch.Tensor:
+    """Return this rank's header; ``kind=0`` for a rank that takes part without a phase of its own."""
+    header = torch.zeros(world_size, 3, dtype=torch.int64)
+    if kind:
+        header[rank] = torch.tensor([kind, forward_count, backward_count])
+    return header.to(device) if device is not None else header
+
+
+def describe(row: Sequence[int]) -> str:
+    kind, forward, backward = row
+    if kind == FORWARD:
+        return f"started forward {forward + 1} (after backward {backward})"
+    if kind == BACKWARD:
+        return f"is finishing backward {backward} (after forward {forward})"
+    return f"sent an unknown header {list(row)}"
+
+
+def check_header(header: torch.Tensor, *, rank: int, active: Sequence[int]) -> None:
+    """Raise on every rank unless the active ranks are in the same phase and no other rank is."""
+    rows = [tuple(r) for r in header.cpu().tolist()]
+    idle = [r for r in range(len(rows)) if r not in active]
+    if len({rows[r] for r in active}) == 1 and rows[active[0]][0] in (FORWARD, BACKWARD) \
+            and not any(any(rows[r]) for r in idle):
+        return
+    if any(any(rows[r]) for r in idle) or any(rows[r][0] not in (FORWARD, BACKWARD) for r in active):
+        raise SyncError(
+            f"gradsync: rank {rank}'s phase header paired with a different collective on another "
+            f"rank (headers {[list(r) for r in rows]}, active ranks {list(active)}): the ranks ran "
+            "different sequences of collectives, e.g. one is in model.join() or in a collective of "
+            "its own. The process group is out of step; restart the job from a checkpoint."
+        )
+    detail = ", ".join(f"rank {r} {describe(rows[r])}" for r in active)
+    raise SyncError(
+        f"gradsync: the ranks are out of step: {detail}. A rank skipped a backward (a training "
+        "forward with gradients enabled counts as one that needs a backward), skipped a "
+        "micro-step, ran a different number of micro-steps in an accumulation window, or entered "
+        "no_sync() when another did not. Detected on every rank before any gradient was applied; "
+        "the process group is out of step, restart the job from a checkpoint."
+    )
