@@ -52,6 +52,7 @@ class Reducer(BucketStorage, BucketLauncher):
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
         timeout: timedelta,
+        reduce_dtype: torch.dtype | None = None,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -65,6 +66,7 @@ class Reducer(BucketStorage, BucketLauncher):
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
+        self.reduce_dtype = reduce_dtype  # see precision.py
         self.timeout = timeout
         self.comm_hook: CommHook | None = None
         self.comm_state: Any = None
@@ -82,6 +84,7 @@ class Reducer(BucketStorage, BucketLauncher):
         self._pending_forwards = 0  # forwards (or prepare_for_backward calls) not yet followed by a backward
         self._armed = False  # the latest forward wanted its backward to synchronize
         self._window_used = [False] * n  # used locally since the last synced backward
+        self._fresh = [True] * n  # reduce_dtype: the next gradient replaces the slot (precision.py)
         self._ready = [False] * n
         self._hook_counts = [0] * n
         self._static_counts: list[int] | None = None  # learned in the first synced backward
@@ -131,8 +134,8 @@ class Reducer(BucketStorage, BucketLauncher):
             if self._ready_order is not None:
                 self._ready_order.append(i)
             self._mark_ready(i)
-        elif self.gradient_as_bucket_view:
-            self._adopt_view(i)
+        else:
+            self._keep_local(i)
 
     def _begin_backward(self) -> None:
         self._in_backward = True
@@ -143,7 +146,7 @@ class Reducer(BucketStorage, BucketLauncher):
             self._pending_forwards -= 1
             self.backward_count += 1
             if self.backward_count == 1:  # gradients restored from a mid-window checkpoint are window state
-                self._window_used = [p.grad is not None for p in self.params]
+                self._window_used = [self._has_local_grad(i) for i in range(len(self.params))]
             self._syncing = self._armed and bool(self.should_sync())
         if not self._syncing:
             self._mark_unsynced()
@@ -289,7 +292,7 @@ class Reducer(BucketStorage, BucketLauncher):
 
     def unsynced_params(self) -> list[int]:
         """Indices of parameters holding gradients from backwards since the last synced one."""
-        return [i for i, used in enumerate(self._window_used) if used and self.params[i].grad is not None]
+        return [i for i, used in enumerate(self._window_used) if used and self._has_local_grad(i)]
 
     def remove_hooks(self) -> None:
         for h in self._handles:

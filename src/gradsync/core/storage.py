@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .buckets import plan_buckets
 from .control import check_grad
+from .precision import MainGrad
 
 
 @dataclass
@@ -39,7 +40,7 @@ def _warn_create_graph() -> None:
         "the gradients stay rank-local.", stacklevel=3)
 
 
-class BucketStorage:
+class BucketStorage(MainGrad):
     plan_order: list[int] | None = None  # rank 0's observed order, once the buckets were re-planned
 
     def _build_buckets(self, plan: list[list[int]]) -> None:
@@ -50,7 +51,7 @@ class BucketStorage:
         for b, members in enumerate(plan):
             first = self.params[members[0]]
             total = sum(self.params[i].numel() for i in members)
-            buffer = torch.zeros(total, dtype=first.dtype, device=first.device)
+            buffer = torch.zeros(total, dtype=self.reduce_dtype or first.dtype, device=first.device)
             views, offset = [], 0
             for i in members:
                 p = self.params[i]
@@ -60,6 +61,8 @@ class BucketStorage:
                 self._views[i] = view
                 self._bucket_of[i] = b
             self.buckets.append(Bucket(b, list(members), buffer, views))
+        if self.reduce_dtype is not None:
+            self._link_main_grads(old_views)
         if self.gradient_as_bucket_view and old_views is not None:
             for i, p in enumerate(self.params):
                 if is_view_of(p.grad, old_views[i]):
@@ -80,7 +83,9 @@ class BucketStorage:
         if grad is not None and grad.requires_grad:  # backward(create_graph=True)
             _warn_create_graph()
             grad = grad.detach()
-        if grad is None:
+        if self.reduce_dtype is not None:
+            self._copy_main(i)
+        elif grad is None:
             view.zero_()
         elif self.gradient_as_bucket_view:
             self._adopt_view(i)
@@ -90,6 +95,13 @@ class BucketStorage:
                 torch.div(grad, self.world_size, out=view)
             else:
                 view.copy_(grad)
+
+    def _keep_local(self, i: int) -> None:
+        """Unsynced backward: keep parameter ``i``'s gradient for the next synced one."""
+        if self.reduce_dtype is not None:
+            self._release_grad(i)
+        elif self.gradient_as_bucket_view:
+            self._adopt_view(i)
 
     def _adopt_view(self, i: int) -> None:
         """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced)."""
@@ -105,10 +117,13 @@ class BucketStorage:
         if result is not bucket.buffer:
             bucket.buffer.copy_(result.reshape(bucket.buffer.shape))
         for i, view in zip(bucket.members, bucket.views):
+            self._fresh[i] = True  # the next gradient starts a new window
             if counts[i] == 0:  # unused on every rank: leave .grad as it was (None stays None)
                 continue
             p = self.params[i]
-            if self.gradient_as_bucket_view:
+            if self.reduce_dtype is not None:
+                self._write_back_main(i, view)
+            elif self.gradient_as_bucket_view:
                 if not is_view_of(p.grad, view):
                     p.grad = view
             elif p.grad is None:
@@ -147,12 +162,15 @@ class BucketStorage:
     # ---------------------------------------------------------------- checkpoints
     def grad_state(self) -> dict[str, Any]:
         order = self.plan_order
-        return {"gradients": {name: p.grad.detach().clone() for name, p in zip(self.names, self.params)
-                              if p.grad is not None},
-                "bucket_order": None if order is None else [self.names[i] for i in order]}
+        state = {"gradients": {name: p.grad.detach().clone() for name, p in zip(self.names, self.params)
+                               if p.grad is not None},
+                 "bucket_order": None if order is None else [self.names[i] for i in order]}
+        if self.reduce_dtype is not None:
+            state["main_grads"] = self.main_grad_state()
+        return state
 
     def load_grad_state(self, state: dict[str, Any]) -> None:
-        if set(state) != {"gradients", "bucket_order"}:
+        if not {"gradients", "bucket_order"} <= set(state) <= {"gradients", "bucket_order", "main_grads"}:
             raise KeyError("gradsync: expected a dict from model.grad_state_dict() with keys 'gradients' "
                            f"and 'bucket_order', got keys {sorted(state)[:5]}")
         grads, order = state["gradients"], state["bucket_order"]
@@ -169,3 +187,4 @@ class BucketStorage:
             self.load_plan_order([index[name] for name in order])
         for name, p in zip(self.names, self.params):
             p.grad = grads[name].detach().clone().to(p.device) if name in grads else None
+        self.load_main_grad_state(state.get("main_grads", {}))

@@ -20,6 +20,10 @@ class ShardedDataParallel(DistributedDataParallel):
     ``gradient_as_bucket_view``). Pair it with ``ShardedOptimizer``, which steps this rank's
     shard and all-gathers the parameters. ``no_sync()`` accumulates full-size local gradients
     and reduce-scatters them once; syncing every micro-step keeps gradient memory at ~1/W.
+    ``reduce_dtype`` (e.g. ``torch.float32`` for bf16 parameters) stages, accumulates (also
+    across ``no_sync`` micro-steps, at full size in that dtype) and reduce-scatters in that dtype;
+    ``.grad`` is released as soon as it is added, and there is no ``param.main_grad``: the
+    gradient lives in the fp32 shards.
     """
 
     reducer_class = ShardedReducer
@@ -49,6 +53,7 @@ class ShardedDataParallel(DistributedDataParallel):
         """Multiply every gradient (shards and pending local gradients) by ``factor``."""
         tensors = [b.grad_shard for b in self.reducer.buckets]
         tensors += [p.grad for p in self.reducer.params if p.grad is not None]
+        tensors += [b.buffer for b in self.reducer.buckets if b.buffer is not None]  # reduce_dtype's window
         torch._foreach_mul_(tensors, factor)
 
     def grad_state_dict(self) -> dict[str, Any]:

@@ -5,7 +5,9 @@ torch optimizer gets one tensor per (parameter, rank) piece of that range, so op
 is 1/W per rank, per-parameter options (param groups) work, and a parameter that received no
 gradient on any rank is skipped exactly as torch skips a ``grad is None`` parameter. Pieces
 are views of a master shard: the bucket's own parameter memory when the parameters are fp32
-or wider, else an fp32 copy (master weights for low-precision parameters).
+or wider, else an fp32 copy (master weights for low-precision parameters). With bf16 or fp16
+parameters the inner optimizer therefore steps fp32 master weights from the fp32 gradient shard
+(fp32 or wider, and ``reduce_dtype`` wide when given), and the parameters are the masters rounded.
 
 The optimizer must be element-wise (SGD, Adam, AdamW, RMSprop, Adagrad, ...): it sees flat
 pieces, not parameter shapes. ``state_dict()`` gathers the full, unsharded state in torch's

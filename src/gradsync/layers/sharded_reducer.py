@@ -50,6 +50,7 @@ class ShardedReducer(Reducer):
     """Reducer whose buckets are reduce-scattered into per-rank gradient shards."""
 
     wrapper_name = "ShardedDataParallel"
+    divide_on_copy = False  # _launch divides the whole staging buffer
 
     # reduce-scatters in flight at once (backward waits for the oldest before launching another):
     # staging memory is about max_inflight + 1 buckets; 1 overlaps one bucket's reduce-scatter
@@ -98,11 +99,14 @@ class ShardedReducer(Reducer):
                 self._bucket_of[i], self._offset_of[i] = b, offset
                 offsets.append(offset)
                 offset += p.numel()
-            acc_dtype = torch.promote_types(first.dtype, torch.float32)
+            acc_dtype = torch.promote_types(torch.promote_types(first.dtype, torch.float32),
+                                            self.reduce_dtype or first.dtype)
             grad_shard = torch.zeros(padded // self.world_size, dtype=acc_dtype, device=first.device)
             self.buckets.append(ShardedBucket(b, list(members), None, [], offsets=offsets, numel=padded,
                                               flat_param=flat, grad_shard=grad_shard))
         self._param_ptrs = [p.data_ptr() for p in self.params]
+        if self.reduce_dtype is not None:
+            self._install_main_hooks()
 
     def _bucket_nbytes(self, bucket: ShardedBucket) -> int:
         return bucket.numel * bucket.flat_param.element_size()
@@ -133,15 +137,26 @@ class ShardedReducer(Reducer):
         if self._syncing:
             self.partial = True  # until this backward's end-of-backward check passes
 
-    def _copy_to_bucket(self, i: int) -> None:
+    def _main_view(self, i: int) -> torch.Tensor:
+        """Return parameter ``i``'s slot in its bucket's staging buffer, allocating the buffer."""
         bucket = self.buckets[self._bucket_of[i]]
         if bucket.buffer is None:
-            bucket.buffer = torch.empty_like(bucket.flat_param)
-            end = bucket.offsets[-1] + self.params[bucket.members[-1]].numel()
-            bucket.buffer[end:].zero_()  # padding
-            self._track(self._bucket_nbytes(bucket))
+            if self.reduce_dtype is None:
+                bucket.buffer = torch.empty_like(bucket.flat_param)
+                end = bucket.offsets[-1] + self.params[bucket.members[-1]].numel()
+                bucket.buffer[end:].zero_()  # padding
+            else:  # also the window's accumulation buffer
+                bucket.buffer = torch.zeros_like(bucket.flat_param, dtype=self.reduce_dtype)
+            self._track(self._staged_nbytes(bucket))
         p = self.params[i]
-        view = bucket.buffer[self._offset_of[i]:self._offset_of[i] + p.numel()].view(p.shape)
+        return bucket.buffer[self._offset_of[i]:self._offset_of[i] + p.numel()].view(p.shape)
+
+    def _copy_to_bucket(self, i: int) -> None:
+        if self.reduce_dtype is not None:
+            self._copy_main(i)
+            return
+        p = self.params[i]
+        view = self._main_view(i)
         grad = p.grad
         if grad is None:
             view.zero_()
@@ -157,7 +172,7 @@ class ShardedReducer(Reducer):
             self._fold(self._inflight.popleft())  # before allocating this bucket's output
         bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
         bucket.out = torch.empty(bucket.shard_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
-        self._track(self._staged_nbytes(bucket) - self._bucket_nbytes(bucket))
+        self._track(bucket.out.numel() * bucket.out.element_size())
         bucket.handle = _reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
         self._inflight.append(bucket)
 
@@ -178,6 +193,7 @@ class ShardedReducer(Reducer):
 
     def _write_back(self, bucket: ShardedBucket, result: Any, counts: list[int]) -> None:
         for i in bucket.members:
+            self._fresh[i] = True
             if counts[i] > 0:  # unused on every rank: like torch, the optimizer skips it
                 self.has_grad[i] = True
 
@@ -204,6 +220,11 @@ class ShardedReducer(Reducer):
         if set_to_none:
             self.has_grad = [False] * len(self.params)
         self.partial = False
+        if self.reduce_dtype is not None:  # drop the window's local accumulation
+            self._fresh = [True] * len(self.params)
+            for b in self.buckets:
+                self._track(-self._staged_nbytes(b))
+                b.buffer = None
         for p in self.params:
             if p.grad is not None:
                 if set_to_none:
@@ -218,7 +239,7 @@ class ShardedReducer(Reducer):
                 "gradsync: the last synchronizing backward failed part-way, so the gradient shards are "
                 "incomplete. Call optimizer.zero_grad() and redo the accumulation window."
             )
-        pending = [self.names[i] for i, p in enumerate(self.params) if p.grad is not None]
+        pending = [self.names[i] for i in range(len(self.params)) if self._has_local_grad(i)]
         if pending:
             raise RuntimeError(
                 f"gradsync: {len(pending)} parameter(s) (e.g. '{pending[0]}') hold gradients from "

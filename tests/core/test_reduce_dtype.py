@@ -1,0 +1,135 @@
+"""reduce_dtype: fp32 accumulation and reduction of bf16 gradients, against an exact fp64 sum.
+
+The reference sums, in fp64, the same per-micro-step bf16 gradients every rank computes (each rank
+recomputes all ranks' micro-steps on a local copy), so only accumulation and reduction differ.
+Tolerance: relative L2 error below 1e-6 (fp32 sums of a few dozen bf16 values are nearly exact),
+where the bf16 default path is off by more than 1e-4.
+"""
+import pytest
+import torch
+
+import gradsync
+from gradsync.tools.launch import run_ranks
+from bf16 import exact_window, loss_on, rel_err
+from helpers import batches, mlp
+
+CAPS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)  # several buckets on the small MLP
+TOL = 1e-6
+
+
+def window_errors(rank, world_size, steps, reduce_dtype=torch.float32, sync_each_batch=False,
+                  gradient_as_bucket_view=False, hook=None, windows=2):
+    model = gradsync.DDP(mlp(seed=0, dtype=torch.bfloat16), reduce_dtype=reduce_dtype,
+                         gradient_as_bucket_view=gradient_as_bucket_view, **CAPS)
+    seen = []
+    if hook is not None:
+        def recording(state, bucket):
+            seen.append(bucket.buffer().dtype)
+            return hook(state, bucket)
+        model.register_comm_hook(None, recording)
+    acc = gradsync.GradientAccumulator(model, steps, sync_each_batch=sync_each_batch)
+    opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.0))
+    data = batches(steps * windows, world_size, seed=3)
+    errors = []
+    for w in range(windows):
+        window = data[w * steps:(w + 1) * steps]
+        for x, y in window:
+            with acc.accumulate():
+                acc.backward(loss_on(model, x, y, rank, world_size))
+                if acc.is_boundary:
+                    exact = exact_window(window, world_size)
+                    for n, p in model.module.named_parameters():
+                        src = p.main_grad if reduce_dtype is not None else p.grad
+                        errors.append(rel_err(src, exact[n]))
+                        if reduce_dtype is not None:
+                            assert p.main_grad.dtype == reduce_dtype and p.grad.dtype == torch.bfloat16
+                            assert torch.equal(p.grad, p.main_grad.to(torch.bfloat16))
+                opt.step()
+                opt.zero_grad()
+    return max(errors), set(seen), len(model.reducer.buckets)
+
+
+@pytest.mark.parametrize("sync_each_batch", [False, True])
+def test_accumulation_and_reduction_in_fp32(sync_each_batch):
+    results = run_ranks(window_errors, 2, 8, torch.float32, sync_each_batch)
+    assert all(err < TOL for err, _, _ in results), results
+    bf16 = run_ranks(window_errors, 2, 8, None, sync_each_batch)
+    assert all(err > 100 * TOL for err, _, _ in bf16), bf16  # the default path rounds in bf16
+
+
+def test_views_and_hooks_see_fp32():
+    results = run_ranks(window_errors, 2, 4, torch.float32, False, True, gradsync.allreduce_hook)
+    for err, seen, buckets in results:
+        assert err < TOL and seen == {torch.float32} and buckets > 1
+
+
+def main_grad_layout(rank, world_size):
+    model = gradsync.DDP(mlp(seed=0, dtype=torch.bfloat16), reduce_dtype=torch.float32, **CAPS)
+    x, y = batches(1, world_size)[0]
+    loss_on(model, x, y, rank, world_size).backward()
+    buffers = {b.buffer.untyped_storage().data_ptr() for b in model.reducer.buckets}
+    for p in model.module.parameters():
+        assert p.main_grad.untyped_storage().data_ptr() in buffers  # a view, no extra copy
+    model.scale_grads_(0.5)
+    return {n: (p.grad.clone(), p.main_grad.clone()) for n, p in model.module.named_parameters()}
+
+
+def test_main_grad_is_a_bucket_view_and_scales_with_grad():
+    a, b = run_ranks(main_grad_layout, 2)
+    for n, (grad, main) in a.items():
+        assert torch.equal(main, b[n][1])  # identical on every rank
+        torch.testing.assert_close(grad, main.to(torch.bfloat16), atol=0, rtol=1e-2)
+
+
+def resumed(rank, world_size, split):
+    """Accumulate 6 micro-steps; with ``split``, checkpoint after ``split`` and resume in a new model."""
+    data = batches(6, world_size, seed=5)
+    model = gradsync.DDP(mlp(seed=0, dtype=torch.bfloat16), reduce_dtype=torch.float32, **CAPS)
+    state = None
+    for j, (x, y) in enumerate(data):
+        if j == split:
+            state = model.grad_state_dict()
+            model = gradsync.DDP(mlp(seed=0, dtype=torch.bfloat16), reduce_dtype=torch.float32, **CAPS)
+            model.load_grad_state_dict(state)
+        model.require_backward_grad_sync = j == len(data) - 1
+        loss_on(model, x, y, rank, world_size).backward()
+    kinds = {t.dtype for t in state["main_grads"].values()} if state else set()
+    return {n: p.main_grad.clone() for n, p in model.module.named_parameters()}, kinds
+
+
+def test_checkpoint_mid_window_keeps_fp32():
+    straight = run_ranks(resumed, 2, None)
+    split = run_ranks(resumed, 2, 3)
+    for (a, _), (b, kinds) in zip(straight, split):
+        assert kinds == {torch.float32}
+        for n in a:
+            assert torch.equal(a[n], b[n]), n
+
+
+def carried(rank, world_size, reduce_dtype):
+    """Two synced backwards without zero_grad: .grad adds up, as in torch."""
+    model = gradsync.DDP(mlp(seed=0, dtype=torch.bfloat16), reduce_dtype=reduce_dtype)
+    for x, y in batches(2, world_size, seed=7):
+        loss_on(model, x, y, rank, world_size).backward()
+    return {n: p.grad.float() for n, p in model.module.named_parameters()}
+
+
+def test_gradients_not_zeroed_carry_over():
+    fp32, bf16 = run_ranks(carried, 2, torch.float32)[0], run_ranks(carried, 2, None)[0]
+    for n in fp32:
+        torch.testing.assert_close(fp32[n], bf16[n], atol=1e-3, rtol=2e-2)
+
+
+def construct(rank, world_size, dtype, reduce_dtype):
+    gradsync.DDP(mlp(seed=0, dtype=dtype), reduce_dtype=reduce_dtype)
+
+
+@pytest.mark.parametrize("dtype,reduce_dtype,error,match", [
+    (torch.bfloat16, torch.int32, TypeError, "floating-point"),
+    (torch.bfloat16, "float32", TypeError, "floating-point"),
+    (torch.float32, torch.bfloat16, ValueError, "torch.float32 parameters"),
+    (torch.float16, torch.bfloat16, ValueError, "torch.float16"),
+])
+def test_reduce_dtype_is_validated(dtype, reduce_dtype, error, match):
+    with pytest.raises(Exception, match=f"{error.__name__}: gradsync: .*{match}"):
+        run_ranks(construct, 1, dtype, reduce_dtype)
