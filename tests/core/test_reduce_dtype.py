@@ -63,6 +63,27 @@ def test_views_and_hooks_see_fp32():
         assert err < TOL and seen == {torch.float32} and buckets > 1
 
 
+def hooked(rank, world_size, hook, steps=8):
+    """One window of ``steps`` micro-steps with ``hook``: (relative error, flat main_grad)."""
+    model = gradsync.DDP(mlp(seed=0, dtype=torch.bfloat16), reduce_dtype=torch.float32, **CAPS)
+    model.register_comm_hook(None, hook)
+    data = batches(steps, world_size, seed=3)
+    for j, (x, y) in enumerate(data):
+        model.require_backward_grad_sync = j == steps - 1
+        (loss_on(model, x, y, rank, world_size) / steps).backward()
+    exact = exact_window(data, world_size)
+    got = torch.cat([p.main_grad.reshape(-1) for p in model.module.parameters()])
+    return rel_err(got, torch.cat([exact[n].reshape(-1) for n, _ in model.module.named_parameters()])), got
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_wire_hook_sums_in_fp32(world_size):
+    """Two bf16 roundings (2**-9 relative each) whatever the world size; the fp32 window stays exact."""
+    wire = run_ranks(hooked, world_size, gradsync.bf16_wire_hook)
+    assert all(torch.equal(got, wire[0][1]) for _, got in wire)  # the same average on every rank
+    assert 0 < wire[0][0] < 2 ** -8
+
+
 def main_grad_layout(rank, world_size):
     model = gradsync.DDP(mlp(seed=0, dtype=torch.bfloat16), reduce_dtype=torch.float32, **CAPS)
     x, y = batches(1, world_size)[0]

@@ -14,6 +14,10 @@ import torch.distributed as dist
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
+# torch 2.13 renamed the *_tensor collectives; older releases (>= 2.4) only have the old names
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 
 class GradBucket:
     """One flat bucket of gradients, as handed to a communication hook."""
@@ -94,6 +98,35 @@ bf16_compress_hook.__name__ = "bf16_compress_hook"
 bf16_compress_hook.__doc__ = (
     "Reduce the bucket in bfloat16 (half the bytes, fp32's range) and write the average back."
 )
+
+
+def bf16_wire_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
+    """Send bfloat16 (half the bytes) but sum in fp32: an all-to-all of bf16 shards, a local fp32
+    sum and division of this rank's shard, then an all-gather of the bf16 average.
+
+    Every value is rounded to bf16 twice (on the way out and on the way back), whatever the world
+    size; ``bf16_compress_hook`` also rounds each partial sum of its all-reduce. Issues its
+    all-gather from the all-to-all's callback, so buckets reduce one after another.
+    """
+    group = _group(process_group)
+    world_size = group.size()
+    buffer = bucket.buffer()
+    n = buffer.numel()
+    shard = -(-n // world_size)
+    send = torch.zeros(shard * world_size, dtype=torch.bfloat16, device=buffer.device)
+    send[:n].copy_(buffer.reshape(-1))
+    recv = torch.empty_like(send)
+    fut = dist.all_to_all_single(recv, send, group=group, async_op=True).get_future()
+
+    def gather(fut: torch.futures.Future) -> torch.Tensor:
+        fut.value()  # raises if the all-to-all failed
+        wide = torch.promote_types(buffer.dtype, torch.float32)
+        mine = recv.view(world_size, shard).to(wide).sum(0).div_(world_size).to(torch.bfloat16)
+        all_gather(send, mine, group=group, async_op=True).wait()
+        buffer.copy_(send[:n].view(buffer.shape))
+        return buffer
+
+    return fut.then(gather)
 
 
 def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:

@@ -24,13 +24,11 @@ import torch.distributed as dist
 import torch.nn.utils.clip_grad
 
 from ..core import guard
+from ..core.comm import all_gather, reduce_scatter
 from ..core.control import check_grad
 from ..core.reducer import Reducer
 from ..core.storage import Bucket
 
-# torch 2.13 renamed the *_tensor collectives; older releases (>= 2.4) only have the old names
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -173,7 +171,7 @@ class ShardedReducer(Reducer):
         bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
         bucket.out = torch.empty(bucket.shard_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
         self._track(bucket.out.numel() * bucket.out.element_size())
-        bucket.handle = _reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
+        bucket.handle = reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
         self._inflight.append(bucket)
 
     def _fold(self, bucket: ShardedBucket) -> None:
