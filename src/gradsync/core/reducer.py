@@ -27,6 +27,7 @@ import torch.distributed as dist
 from . import guard
 from .buckets import plan_buckets
 from .comm import CommHook
+from .compile import in_compiled_autograd
 from .graph import reachable_params
 from .header import BACKWARD
 from .control import check_agreement, check_finite, check_missing, control_tensor, used_counts
@@ -134,12 +135,16 @@ class Reducer(BucketStorage, BucketLauncher):
             if self._ready_order is not None:
                 self._ready_order.append(i)
             self._mark_ready(i)
+            if self._compiled_autograd and self._next_launch == len(self.buckets):
+                self._finalize()  # the last bucket launched: compiled autograd never runs queued callbacks
         else:
             self._keep_local(i)
 
     def _begin_backward(self) -> None:
         self._in_backward = True
-        torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+        self._compiled_autograd = in_compiled_autograd()
+        if not self._compiled_autograd:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if self._pending_forwards == 0:  # no forward of the wrapper prepared it: local, as in torch
             self._warn_unprepared_backward()
         else:
