@@ -5,6 +5,7 @@ import time
 
 import torch
 import torch._dynamo
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -90,7 +91,7 @@ def _for_torch(opts):
 def check_forms(case):
     results = run_ranks(forms, 2, case, timeout=120)
     for out in results:
-        for key, history in out.items():
+        for history in out.values():
             for got, want in zip(history, out["eager", "gradsync"]):
                 assert_close_dicts(got, want)
             assert len(history) == 2
@@ -182,3 +183,31 @@ def test_compiled_autograd_and_inductor_match_eager():
 def windows_eager(rank, world_size):
     model, run = build("eager", gradsync.DDP, Net(), **SMALL)
     return windows(model, run, rank, world_size, steps=1)
+
+
+# ---------------------------------------------------------------- overlap under whole-model compile
+def overlap(rank, world_size, form, optimize_ddp):
+    """Whole-model compile, a bucket per layer: when does the first bucket launch in the backward?"""
+    with torch._dynamo.config.patch(optimize_ddp=optimize_ddp):  # False: torch's switch for no splits
+        model, run = build(form, gradsync.DDP, Net(width=512, depth=8, features=512), bucket_cap_mb=1)
+        trace = model.enable_comm_trace()
+        shares = []
+        for _ in range(5):  # two warm-up steps: AOT autograd compiles the backward, buckets are re-planned
+            x = torch.randn(128, 512).requires_grad_()
+            reached_input = []
+            x.register_hook(lambda g: reached_input.append(time.perf_counter()))
+            loss = run(x).square().mean()
+            dist.barrier()  # a rank late to its backward would hold the other's first bucket back
+            start = time.perf_counter()
+            loss.backward()
+            first = trace[-1]["buckets"][0]["launch"]
+            shares.append((first - start) / (reached_input[0] - start))
+    return shares[2:], len(model.reducer.buckets)
+
+
+def test_first_bucket_launches_before_half_the_compiled_backward():
+    for form in ("outer", "inner"):
+        for shares, n_buckets in run_ranks(overlap, 2, form, True, timeout=120):
+            assert n_buckets >= 8 and sorted(shares)[1] < 0.5, (form, shares)
+    for shares, _ in run_ranks(overlap, 2, "outer", False, timeout=120):  # no split: all at the end
+        assert sorted(shares)[1] > 0.5, shares
