@@ -40,3 +40,10 @@ def test_sharded_memory_quick_run():
     assert done.returncode == 0, done.stderr[-2000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
     assert len(table) == 6 and all("(c) sharded, sync_each_batch" in table[i] for i in (2, 5))
+
+
+def test_bf16_accuracy_quick_run(tmp_path):
+    record = load("bf16_accuracy").main(["--ranks", "2", "--accumulation", "4", "--windows", "1",
+                                         "--loss-steps", "0", "--out", str(tmp_path)])
+    errors = {r["row"][:3]: r["accumulation_error"] for r in record["rows"]}
+    assert errors["(c)"] * 100 <= errors["(a)"] and (tmp_path / "bf16_accuracy.md").exists()
