@@ -25,6 +25,7 @@ from .control import SyncError, bounded_wait
 from .delay import DelayedAllReduce
 from .header import FORWARD
 from .join import DDPJoinHook, Join
+from .precision import resolve_reduce_dtype
 from .reducer import Reducer
 from .snapshot import parameters_swapped, snapshot
 from .torch_extras import TorchDDPExtras
@@ -41,7 +42,10 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
     ``first_bucket_cap_mb`` caps the first bucket explicitly; ``timeout`` bounds every wait on a
     collective (default: the process group's timeout); ``check_finite=True`` checks each reduced
     bucket for NaN/inf and raises ``FloatingPointError`` naming the parameters before the gradients
-    are written back.
+    are written back. ``reduce_dtype`` (e.g. ``torch.float32`` for bf16 parameters) accumulates
+    every micro-step's gradient and reduces in that dtype: after a synced backward
+    ``param.main_grad`` is the average (a view into the bucket) and ``.grad`` its copy in the
+    parameter's dtype (``core/precision.py``).
 
     Accepted for compatibility, with no effect: ``batched_grad_copy`` (a CUDA kernel-launch
     optimization), ``skip_all_reduce_unused_params`` (buckets are reduced whole; gradients come out
@@ -65,7 +69,8 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
                  device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
                  bucket_cap_mb_list: Sequence[float] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None, *, first_bucket_cap_mb: float | None = None,
-                 timeout: timedelta | float | None = None, check_finite: bool = False):
+                 timeout: timedelta | float | None = None, check_finite: bool = False,
+                 reduce_dtype: torch.dtype | None = None):
         super().__init__()
         Joinable.__init__(self)
         if mixed_precision is not None:
@@ -105,7 +110,8 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         caps, first_cap = resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list, first_bucket_cap_mb)
         self._reducer_options = dict(
             bucket_cap_mb=caps, first_bucket_cap_mb=first_cap, find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, timeout=self.timeout)
+            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, timeout=self.timeout,
+            reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]))
         self._reduced_names = reduced
         self._delayed_names = list(delayed)
         self._delay_trigger = param_to_hook_all_reduce
@@ -273,7 +279,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply every synchronized gradient by ``factor`` (used by the accumulator)."""
-        grads = [p.grad for p in self.reducer.params if p.grad is not None]
+        grads = self.reducer.grad_tensors()
         if grads:
             torch._foreach_mul_(grads, factor)
 
