@@ -225,6 +225,17 @@ def check_wrappable(module: nn.Module, wrapper_types: tuple[type, ...]) -> list[
             raise NotImplementedError(
                 f"gradsync: parameter '{name}' is a DTensor (tensor parallelism); gradsync reduces "
                 "plain tensors only. Use torch's DistributedDataParallel for DDP + tensor parallel.")
+        if p.is_meta:  # a meta buffer is harmless: broadcasting it does nothing, as in torch
+            raise ValueError(f"gradsync: parameter '{name}' is on the meta device (it has no data). "
+                             "Materialize the module before wrapping it: module.to_empty(device=...), "
+                             "then initialize it or load a state dict")
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            what = f"nn.{type(m).__name__} '{name}'" if name else f"the wrapped nn.{type(m).__name__}"
+            raise NotImplementedError(
+                f"gradsync: {what} has sparse=True: gradsync reduces dense "
+                "gradients only; construct it with sparse=False (same gradients, dense), or use "
+                "torch's DistributedDataParallel, which reduces sparse gradients")
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
         raise RuntimeError("gradsync: the module has no parameters that require gradients; "
