@@ -18,6 +18,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.utils import _to_kwargs
 
 from .comm import CommHook
+from .compile import active_ddp, bucket_bytes_caps, skip_wrapper_frames
 from .construct import (broadcast_coalesced, check_comm_hook, check_wrappable, claim,
                         resolve_bucket_caps, resolve_buffer_sync, resolve_device_ids, resolve_group,
                         resolve_timeout, verify_same_model)
@@ -108,6 +109,8 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         self.timeout = resolve_timeout(timeout, self.process_group, self.device)
         self.world_size = dist.get_world_size(self.process_group)
         caps, first_cap = resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list, first_bucket_cap_mb)
+        self.bucket_bytes_cap, self._first_bucket_bytes_cap = bucket_bytes_caps(caps, first_cap)  # for Dynamo
+        skip_wrapper_frames()
         self._reducer_options = dict(
             bucket_cap_mb=caps, first_bucket_cap_mb=first_cap, find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, timeout=self.timeout,
@@ -176,7 +179,8 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
             moved, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device(self.device.type, self.device_ids[0]),
                                              True)
             inputs, kwargs = moved[0], moved_kwargs[0]
-        output = self.module(*inputs, **kwargs)
+        with active_ddp(self, self._first_bucket_bytes_cap):  # compiled frames split at bucket boundaries
+            output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and not swapped:
             self.reducer.prepare_for_backward(output, self.module.training, self.require_backward_grad_sync)
         return output
