@@ -108,9 +108,6 @@ def test_complex_parameters_train_like_torch(view):
     assert_same_training(run_ranks(side_by_side, 2, make, None, view, timeout=60))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="gradsync hands comm hooks the complex "
-                   "bucket, which fp16_compress_hook casts to real (dropping the imaginary parts); torch's "
-                   "reducer hands them the bucket's real view")
 def test_complex_parameters_with_a_casting_comm_hook_train_like_torch():
     make = functools.partial(Odd, complex=True)
     assert_same_training(run_ranks(side_by_side, 2, make, default_hooks.fp16_compress_hook, timeout=60))

@@ -80,6 +80,8 @@ class BucketLauncher:
             return dist.all_reduce(buffer, group=self.group, async_op=True)
         if previous is not None and not issues_one_collective(self.comm_hook):
             self.wait(previous, f"bucket {index - 1} (its hook's collectives finish before bucket {index})")
+        if buffer.is_complex():  # as torch's reducer: hooks see the real view (a cast would drop imaginary parts)
+            buffer, views = torch.view_as_real(buffer).view(-1), [torch.view_as_real(v) for v in views]
         handle = self.comm_hook(self.comm_state, GradBucket(index, buffer, views, [self.params[i] for i in members],
                                                             index == len(self.buckets) - 1))
         if not isinstance(handle, torch._C.Future):
@@ -108,6 +110,9 @@ class BucketLauncher:
         result = handle.value()
         if isinstance(result, (list, tuple)) and len(result) == 1:
             result = result[0]
+        if bucket.buffer.is_complex() and isinstance(result, torch.Tensor) and not result.is_complex() \
+                and result.dtype == bucket.buffer.real.dtype and result.numel() == 2 * bucket.buffer.numel():
+            result = torch.view_as_complex(result.reshape(-1, 2))  # the hook reduced the real view
         if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
             what = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
                     else type(result).__name__)
