@@ -11,25 +11,12 @@ difference of the paired windows is the headers' cost; torch's DDP is the yardst
 """
 from __future__ import annotations
 
-import argparse
-import copy
-import json
-import os
-import statistics
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
-import torch
-import torch.distributed as dist
 from torch import nn
 
-from gradsync.tools.bench.measure import _reduce, _window
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine
-from gradsync.tools.bench.run import machine_info
-from gradsync.tools.launch import run_ranks
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from paired import main as paired_main, paired, time_variants
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,60 +34,32 @@ MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
           ModelSpec(name="mlp-tiny (latency-bound)", kind="mlp", width=64, depth=4, batch=4)]
 
 
+def variants(kw: dict) -> dict:
+    def headerless(module):
+        engine = GradsyncEngine(module, **kw)
+        engine.model.reducer.phase_headers = False
+        return engine
+    return {"headers": lambda m: GradsyncEngine(m, **kw), "no headers": headerless,
+            "torch": lambda m: TorchEngine(m, **kw)}
+
+
 def time_rank(rank, world, spec, accum, warmup, reps) -> dict:
-    base = spec.build(seed=0)
     kw = dict(bucket_cap_mb=25.0, view=False, set_to_none=True, lr=1e-3)
-    engines = {"headers": GradsyncEngine(copy.deepcopy(base), **kw),
-               "no headers": GradsyncEngine(copy.deepcopy(base), **kw),
-               "torch": TorchEngine(copy.deepcopy(base), **kw)}
-    engines["no headers"].model.reducer.phase_headers = False
-    names = list(engines)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    for rep in range(warmup + reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            dist.barrier()
-            start = time.perf_counter()
-            _window(engines[name], spec, rank, rep, accum)
-            wall = _reduce([time.perf_counter() - start], dist.ReduceOp.MAX)[0]
-            if rep >= warmup:
-                times[name].append(wall)
-    return times
+    return time_variants(rank, world, spec, variants(kw), accum, warmup, reps)
 
 
 def summarize(times: dict[str, list[float]]) -> dict:
-    on, off, ref = times["headers"], times["no headers"], times["torch"]
-    return {"median_ms": {n: 1e3 * statistics.median(t) for n, t in times.items()},
-            "paired_cost_ms": 1e3 * statistics.median(a - b for a, b in zip(on, off)),
-            "paired_ratio_headers_vs_none": statistics.median(a / b for a, b in zip(on, off)),
-            "paired_ratio_vs_torch": {n: statistics.median(a / b for a, b in zip(t, ref)) for n, t in times.items()},
-            "noise_ms": 1e3 * statistics.median(abs(a - b) for a, b in zip(off, off[1:] + off[:1])),
-            "raw": times}
+    own, vs_torch = paired(times, "no headers"), paired(times, "torch")
+    return {"median_ms": own["median_ms"], "paired_cost_ms": own["paired_diff_ms"]["headers"],
+            "paired_ratio_headers_vs_none": own["paired_ratio"]["headers"],
+            "paired_ratio_vs_torch": vs_torch["paired_ratio"], "paired_ratio": own["paired_ratio"],
+            "noise_ms": own["noise_ms"], "raw": times}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--reps", type=int, default=21)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--accum", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args()
-    rows, load_before = [], os.getloadavg()
-    for spec in MODELS:
-        for accum in args.accum:
-            times = run_ranks(time_rank, args.world, spec, accum, args.warmup, args.reps, timeout=1800)[0]
-            row = {"model": spec.name, "accum": accum, **summarize(times)}
-            rows.append(row)
-            print(f"{spec.name} accum {accum}: headers cost {row['paired_cost_ms']:+.3f} ms/window "
-                  f"(ratio {row['paired_ratio_headers_vs_none']:.3f}), median "
-                  f"{row['median_ms']['no headers']:.2f} ms", flush=True)
-    record = {"machine": machine_info(), "world": args.world, "reps": args.reps, "warmup": args.warmup,
-              "load_before": load_before, "load_after": os.getloadavg(), "torch": torch.__version__, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "header_cost.json").write_text(json.dumps(record, indent=1))
-    (args.out / "header_cost.md").write_text(report(record))
-    print(f"wrote {args.out / 'header_cost.md'}")
+def main(argv: list[str] | None = None) -> dict:
+    quick = [ModelSpec(name="mlp-tiny", kind="mlp", width=32, depth=2, batch=4),
+             NormedSpec(name="mlp-tiny+batchnorm", kind="mlp", width=32, depth=2, batch=4)]
+    return paired_main("header_cost", __doc__, MODELS, quick, time_rank, summarize, report, argv)
 
 
 def report(record: dict) -> str:

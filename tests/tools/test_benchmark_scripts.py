@@ -47,3 +47,22 @@ def test_bf16_accuracy_quick_run(tmp_path):
                                          "--loss-steps", "0", "--out", str(tmp_path)])
     errors = {r["row"][:3]: r["accumulation_error"] for r in record["rows"]}
     assert errors["(c)"] * 100 <= errors["(a)"] and (tmp_path / "bf16_accuracy.md").exists()
+
+
+def run_script(name, tmp_path):
+    # a subprocess: the scripts import their neighbour benchmarks/paired.py
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--accum", "1",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return (tmp_path / f"{name}.md").read_text()
+
+
+def test_header_cost_quick_run(tmp_path):
+    table = [line for line in run_script("header_cost", tmp_path).splitlines() if line.startswith("| mlp-tiny")]
+    assert len(table) == 2  # with and without buffers
+
+
+def test_overlap_optimizer_quick_run(tmp_path):
+    report = run_script("overlap_optimizer", tmp_path)
+    assert "gradsync views + overlap" in report and report.count("| gpt-tiny | 1 |") == 1

@@ -283,6 +283,11 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply every synchronized gradient by ``factor`` (used by the accumulator)."""
+        if self.reducer.bucket_reduced is not None and factor != 1.0:
+            raise RuntimeError(
+                "gradsync: gradients must be rescaled after the synced backward (GradientAccumulator "
+                "with num_items, or a window that ended early), but overlap_optimizer already stepped "
+                "on them inside that backward. Use mean losses over full windows, or remove overlap_optimizer.")
         grads = self.reducer.grad_tensors()
         if grads:
             torch._foreach_mul_(grads, factor)

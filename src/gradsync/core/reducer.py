@@ -74,6 +74,7 @@ class Reducer(BucketStorage, BucketLauncher):
         self.trace: list[dict] | None = None  # set to [] to record a timeline per synced backward
         self.check_finite = False  # check each reduced bucket for NaN/inf before writing back
         self.active_ranks: list[int] | None = None  # set per forward inside DDP.join(); None: all
+        self.bucket_reduced: Callable[[list[int]], None] | None = None  # overlap_optimizer's per-bucket step
 
         n = len(self.params)
         self.backward_count = 0  # every backward, synced or not: the divergence check compares it
@@ -256,14 +257,18 @@ class Reducer(BucketStorage, BucketLauncher):
                                  self.device)
         control_work = self.launch_control(control, [b.handle for b in self.buckets])
 
-        results = [self._wait_bucket(b) for b in self.buckets]
+        if self.bucket_reduced is not None:  # overlap_optimizer: write back and step bucket by bucket
+            results = None
+            self._write_back_as_reduced()
+        else:
+            results = [self._wait_bucket(b) for b in self.buckets]
         self.wait(control_work, "the end-of-backward check")
         control = control.cpu()  # read once: every check below indexes it
         active = self.active_ranks if self.active_ranks is not None else range(self.world_size)
         check_agreement(control, rank=self.rank, world_size=self.world_size, n=n, active=list(active),
                         sync_count=self.sync_count)
         counts = used_counts(control, self.world_size, n)
-        if self.check_finite:
+        if self.check_finite and results is not None:
             check_finite(results, [b.members for b in self.buckets], self.params, self.names)
         if graph_changed:
             names = ", ".join(self.names[i] for i in missing)
@@ -275,7 +280,7 @@ class Reducer(BucketStorage, BucketLauncher):
         if not tracks_unused:
             check_missing(counts, self.names, len(active))
 
-        for bucket, result in zip(self.buckets, results):
+        for bucket, result in zip(self.buckets, results or ()):
             self._write_back(bucket, result, counts)
         if self._iter_trace is not None:
             self._record_trace()
@@ -284,6 +289,22 @@ class Reducer(BucketStorage, BucketLauncher):
         self.sync_count += 1
         if self._ready_order is not None:
             self._rebuild_buckets()
+
+    def _write_back_as_reduced(self) -> None:
+        """Write back each bucket as soon as it is reduced and hand it to ``bucket_reduced``.
+
+        The end-of-backward checks come after: a failing one raises on every rank, with these
+        buckets already stepped (see ``layers/overlap.py``).
+        """
+        everyone = [self.world_size] * len(self.params)  # find_unused_parameters is refused there
+        for b in self.buckets:
+            result = self._wait_bucket(b)
+            if self.check_finite:
+                check_finite([result], [b.members], self.params, self.names)
+            self._write_back(b, result, everyone)
+            for i in b.members:
+                self._window_used[i] = False  # synced now: the step guard lets the step through
+            self.bucket_reduced(b.members)
 
     def _reset_iteration(self) -> None:
         self._in_backward = False
