@@ -60,8 +60,6 @@ class BucketLauncher:
         tracing = self._iter_trace is not None
         if tracing:
             bucket.times["launch"] = time.perf_counter()
-        if self.comm_hook is None and self.gradient_as_bucket_view:  # else _copy_to_bucket divided
-            bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
         previous = self.buckets[bucket.index - 1].handle if bucket.index else None
         bucket.handle = self.issue(bucket.index, bucket.buffer, bucket.views, bucket.members, previous)
         if tracing:

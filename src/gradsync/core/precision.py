@@ -80,7 +80,7 @@ class MainGrad:
     def _copy_main(self, i: int) -> None:
         """Synced backward: make parameter ``i``'s slot hold this rank's window sum, ready to reduce."""
         self._release_grad(i)
-        if self.divide_on_copy and self.comm_hook is None and not self.gradient_as_bucket_view:
+        if self.divide_on_copy and self.comm_hook is None:
             self._main_view(i).div_(self.world_size)
 
     def _write_back_main(self, i: int, view: torch.Tensor) -> None:

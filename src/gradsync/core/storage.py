@@ -88,7 +88,7 @@ class BucketStorage(MainGrad):
         elif grad is None:
             view.zero_()
         elif self.gradient_as_bucket_view:
-            self._adopt_view(i)
+            self._adopt_view(i, divide=self.comm_hook is None)
         else:
             check_grad(grad, view, self.names[i])
             if self.comm_hook is None:  # average while copying: saves a pass over the bucket (launcher)
@@ -103,14 +103,26 @@ class BucketStorage(MainGrad):
         elif self.gradient_as_bucket_view:
             self._adopt_view(i)
 
-    def _adopt_view(self, i: int) -> None:
-        """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced)."""
+    def _adopt_view(self, i: int, divide: bool = False) -> None:
+        """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced).
+
+        ``divide`` (a synced backward without a comm hook): average on the way, in the copy
+        when there is one, so the bucket is never divided in a pass of its own.
+        """
         p, view = self.params[i], self._views[i]
         grad = p.grad
-        if grad is not None and not is_view_of(grad, view):
-            check_grad(grad, view, self.names[i])
+        if grad is None:
+            return
+        if is_view_of(grad, view):
+            if divide:
+                view.div_(self.world_size)
+            return
+        check_grad(grad, view, self.names[i])
+        if divide:
+            torch.div(grad.detach(), self.world_size, out=view)
+        else:
             view.copy_(grad.detach())
-            p.grad = view
+        p.grad = view
 
     @torch.no_grad()  # a create_graph backward runs this with grad mode on: record nothing
     def _write_back(self, bucket: Bucket, result: torch.Tensor, counts: list[int]) -> None:
