@@ -7,6 +7,7 @@ import torch
 
 import gradsync
 from gradsync.tools.bench import measure as bench_measure, report as bench_report, run as bench
+from gradsync.tools.bench.breakdown import PHASES, classify
 from gradsync.tools.launch import run_ranks
 
 
@@ -15,18 +16,18 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
                          "--skip", "memory", "--out", str(tmp_path)])
     files = sorted(os.listdir(tmp_path))
     stem = next(f for f in files if f.endswith(".md"))[:-3]
-    assert {stem + ".json", stem + "-steptime.png", stem + "-timeline.png"} <= set(files)
+    assert {stem + ".json", stem + "-steptime.png", stem + "-timeline.png", stem + "-breakdown.png"} <= set(files)
     report = (tmp_path / (stem + ".md")).read_text()
     assert "| mlp-tiny | 3 |" in report and "## Per-parameter overhead" in report
     assert json.loads((tmp_path / (stem + ".json")).read_text())["models"][0]["accum"] == 3
 
     row = record["models"][0]
-    expected = {"gradsync", "torch", "naive", "gradsync-bf16"} | ({"gradsync-sharded"} if hasattr(gradsync, "ShardedDataParallel") else set())
+    expected = {"gradsync", "torch", "torch-views", "naive", "gradsync-bf16"} | ({"gradsync-sharded"} if hasattr(gradsync, "ShardedDataParallel") else set())
     assert set(row["times"]) == expected
     assert all(len(t) == 2 for t in row["raw_times"].values())
     assert row["paired_ratio"]["torch"] == 1.0
     # Accumulating 3 micro-steps must reduce every gradient byte exactly once per window.
-    for engine in ("gradsync", "torch", "naive"):
+    for engine in ("gradsync", "torch", "torch-views", "naive"):
         assert row["bytes"][engine]["by_op"]["all_reduce:gradients"] == row["grad_bytes"], engine
     assert row["grad_bytes"] == 4 * row["params"]
     # the bf16 hook halves the payload
@@ -42,6 +43,11 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
         assert all(b["launch"] <= b["done"] for b in it["buckets"])
     assert row["profile"]["hook"]["calls"] == 3 * len(list(bench.quick_plan(bench.parse_args(["--quick"]))
                                                            .models[0].build().parameters()))
+    # the profiling pass: every phase of every engine, adding up to the window's wall time
+    assert "## Where a window's time goes" in report
+    for name, b in row["breakdown"]["engines"].items():
+        assert set(b) == {*PHASES, "total", "communication hidden"}, name
+        assert min(b.values()) >= 0 and sum(b[k] for k in PHASES) >= 0.99 * b["total"], (name, b)
     assert record["sweep"][0]["params"] > 10_000
     assert [r["cap"] for r in record["buckets"]] == [0.05, 1] and record["buckets"][0]["buckets"] >= 1
     assert set(record["overhead"]["median_s"]) >= {"plain module", "gradsync synced", "torch no_sync"}
@@ -85,3 +91,33 @@ def test_memory_probe_reports_the_whole_run_peak_with_construction():
         for r in run_ranks(bench_measure.memory_rank, 2, spec, engine, True, True, 1, 1, 25.0, timeout=120):
             # construction holds the parameters plus buckets: at least one model copy over the baseline
             assert r["whole_run_peak_bytes"] >= max(r["peak_bytes"], r["param_bytes"]), (engine, r)
+
+
+def profiled_passes(rank, world_size, engine, view):
+    from torch.profiler import ProfilerActivity, profile
+    from torch import nn
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64))
+    ddp = gradsync.DDP if engine == "gradsync" else nn.parallel.DistributedDataParallel
+    model = ddp(module, gradient_as_bucket_view=view)
+    x = torch.randn(4, 64)
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        loss = model(x).sum()
+        with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+            loss.backward()
+    found = {}
+    for event in prof.events():
+        kind = classify(event)
+        if kind:
+            found[kind] = found.get(kind, 0) + 1
+    return found
+
+
+@pytest.mark.parametrize("engine", ["gradsync", "torch"])
+@pytest.mark.parametrize("view", [False, True])
+def test_breakdown_attributes_each_engines_passes(engine, view):
+    found = run_ranks(profiled_passes, 2, engine, view)[0]
+    assert found.get("bucket copy-in") == 4, found  # one divided copy per parameter
+    assert "division" not in found, found  # folded into the copy by both engines
+    assert found.get("write-back", 0) == (0 if view else 4), found

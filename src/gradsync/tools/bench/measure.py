@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from .breakdown import breakdown
 from .models import TorchEngine, count_params, loss_fn, make_engines
 
 # Collectives gradsync (and the naive baseline) call through ``torch.distributed``, with the bytes
@@ -146,8 +147,8 @@ def communication(rank, world, spec, engines, accum, cap, windows: int = 2) -> d
     out = {"grad_bytes": grad_bytes, "bytes": {}}
     for name, engine in engines.items():
         log: list = []
-        if name == "torch":  # torch's reducer calls C++ directly: count through a comm hook
-            engine = TorchEngine(spec.build(seed=0), bucket_cap_mb=cap, view=False, set_to_none=True, lr=1e-3)
+        if isinstance(engine, TorchEngine):  # torch's reducer calls C++ directly: count through a comm hook
+            engine = type(engine)(spec.build(seed=0), bucket_cap_mb=cap, view=None, set_to_none=True, lr=1e-3)
             engine.model.register_comm_hook(None, _counting_torch_hook(log))
             _window(engine, spec, rank, 0, accum)  # first window: bucket rebuild, not steady state
             log.clear()
@@ -218,6 +219,7 @@ def model_rank(rank, world, spec, names, accum, warmup, reps, cap, profile: bool
     result.update(communication(rank, world, spec, engines, accum, cap))
     if profile:
         result["profile"] = profile_gradsync(rank, world, spec, engines["gradsync"], accum)
+        result["breakdown"] = breakdown(rank, world, spec, engines, accum)
     return result
 
 

@@ -7,6 +7,7 @@ sharded mode. Models have no buffers, so no engine broadcasts anything before a 
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass
@@ -116,28 +117,38 @@ def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- engines
+def _no_probe(phase: str):
+    return contextlib.nullcontext()
+
+
 class Engine:
-    """One data-parallel implementation wrapped around its own copy of the model."""
+    """One data-parallel implementation wrapped around its own copy of the model.
+
+    ``view`` None takes the engine's own ``view`` (gradsync: the recommended gradient views).
+    ``micro_step``'s ``probe(phase)`` is a context manager around each phase (the profiling pass).
+    """
 
     name = "?"
+    view = False
 
-    def __init__(self, module: nn.Module, *, bucket_cap_mb: float, view: bool, set_to_none: bool, lr: float):
+    def __init__(self, module: nn.Module, *, bucket_cap_mb: float, view: bool | None, set_to_none: bool,
+                 lr: float):
         self.set_to_none = set_to_none
-        self.model = self.wrap(module, bucket_cap_mb, view)
+        self.model = self.wrap(module, bucket_cap_mb, self.view if view is None else view)
         self.opt = self.make_optimizer(lr)
 
     def wrap(self, module, bucket_cap_mb, view):
         raise NotImplementedError
 
     def make_optimizer(self, lr: float):
-        return torch.optim.SGD(self.model.parameters(), lr=lr)
+        return torch.optim.AdamW(self.model.parameters(), lr=lr)
 
-    def micro_step(self, x, y, sync: bool) -> None:
-        if sync:
-            loss_fn(self.model(x), y).backward()
-        else:
-            with self.model.no_sync():
-                loss_fn(self.model(x), y).backward()
+    def micro_step(self, x, y, sync: bool, probe=_no_probe) -> None:
+        with contextlib.nullcontext() if sync else self.model.no_sync():
+            with probe("forward"):
+                loss = loss_fn(self.model(x), y)
+            with probe("backward"):
+                loss.backward()
 
     def optimizer_step(self) -> None:
         self.opt.step()
@@ -146,6 +157,7 @@ class Engine:
 
 class GradsyncEngine(Engine):
     name = "gradsync"
+    view = True  # what docs/choosing.md recommends
 
     def wrap(self, module, bucket_cap_mb, view):
         return gradsync.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=view)
@@ -163,11 +175,18 @@ class CompressedEngine(GradsyncEngine):
 
 
 class TorchEngine(Engine):
-    name = "torch"
+    name = "torch"  # torch's defaults: no gradient views
 
     def wrap(self, module, bucket_cap_mb, view):
         return nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb,
                                                    gradient_as_bucket_view=view)
+
+
+class TorchViewsEngine(TorchEngine):
+    """torch's DDP with ``gradient_as_bucket_view=True``: like for like with gradsync's setting."""
+
+    name = "torch-views"
+    view = True
 
 
 class NaiveEngine(Engine):
@@ -180,15 +199,19 @@ class NaiveEngine(Engine):
             dist.broadcast(p.data, src=0)
         return module
 
-    def micro_step(self, x, y, sync: bool) -> None:
-        loss_fn(self.model(x), y).backward()
+    def micro_step(self, x, y, sync: bool, probe=_no_probe) -> None:
+        with probe("forward"):
+            loss = loss_fn(self.model(x), y)
+        with probe("backward"):
+            loss.backward()
         if sync:
-            world = dist.get_world_size()
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-            works = [dist.all_reduce(g, async_op=True) for g in grads]
-            for w in works:
-                w.wait()
-            torch._foreach_div_(grads, world)
+            with probe("collective"):
+                works = [dist.all_reduce(g, async_op=True) for g in grads]
+                for w in works:
+                    w.wait()
+            with probe("division"):
+                torch._foreach_div_(grads, dist.get_world_size())
 
 
 class ShardedEngine(Engine):
@@ -200,17 +223,17 @@ class ShardedEngine(Engine):
         return gradsync.ShardedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
 
     def make_optimizer(self, lr: float):
-        return gradsync.ShardedOptimizer(self.model, torch.optim.SGD, lr=lr)
+        return gradsync.ShardedOptimizer(self.model, torch.optim.AdamW, lr=lr)
 
 
 def available_engines() -> list[type[Engine]]:
-    engines: list[type[Engine]] = [GradsyncEngine, TorchEngine, NaiveEngine, CompressedEngine]
+    engines: list[type[Engine]] = [GradsyncEngine, TorchEngine, TorchViewsEngine, NaiveEngine, CompressedEngine]
     if hasattr(gradsync, "ShardedDataParallel") and hasattr(gradsync, "ShardedOptimizer"):
         engines.append(ShardedEngine)
     return engines
 
 
-def make_engines(spec: ModelSpec, names: list[str], *, bucket_cap_mb: float = 25.0, view: bool = False,
+def make_engines(spec: ModelSpec, names: list[str], *, bucket_cap_mb: float = 25.0, view: bool | None = None,
                  set_to_none: bool = True, lr: float = 1e-3) -> dict[str, Engine]:
     """Build every named engine on an identical copy of ``spec``'s model (rank 0's weights)."""
     by_name = {e.name: e for e in available_engines()}

@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 
 MiB = 1024 * 1024
-ENGINE_COLORS = {"gradsync": "tab:blue", "torch": "tab:orange", "naive": "tab:green",
+ENGINE_COLORS = {"gradsync": "tab:blue", "torch": "tab:orange", "torch-views": "tab:brown", "naive": "tab:green",
                  "gradsync-bf16": "tab:purple", "gradsync-sharded": "tab:red"}
 
 
@@ -19,7 +19,8 @@ def draw(record: dict, out_dir: str, stem: str) -> dict[str, str]:
     paths = {}
     for title, suffix, plot in (("step time vs model size", "steptime", _steptime),
                                 ("peak memory", "memory", _memory),
-                                ("per-bucket timeline", "timeline", _timeline)):
+                                ("per-bucket timeline", "timeline", _timeline),
+                                ("step breakdown", "breakdown", _breakdown)):
         fig = plot(plt, record)
         if fig is not None:
             path = os.path.join(out_dir, f"{stem}-{suffix}.png")
@@ -94,4 +95,28 @@ def _timeline(plt, record: dict):
            title=f"gradsync buckets, {row['model']}, accumulation {row['accum']}")
     ax.invert_yaxis()
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)  # beside: bars may fill the axes
+    return fig
+
+
+def _breakdown(plt, record: dict):
+    from .breakdown import PHASES
+    rows = [r for r in record["models"] if r.get("breakdown")]
+    if not rows:
+        return None
+    colors = plt.get_cmap("tab10").colors
+    fig, axes = plt.subplots(len(rows), 1, figsize=(8, 0.9 + 1.9 * len(rows)), squeeze=False)
+    for ax, row in zip(axes[:, 0], rows):
+        engines = row["breakdown"]["engines"]
+        for y, (name, b) in enumerate(engines.items()):
+            left = 0.0
+            for k, phase in enumerate(PHASES):
+                ax.barh(y, 1e3 * b[phase], left=left, color=colors[k], label=phase if y == 0 else None)
+                left += 1e3 * b[phase]
+            ax.barh(y, 1e3 * b["communication hidden"], left=left, color="none", edgecolor="gray", hatch="//",
+                    label="communication hidden (not in the step)" if y == 0 else None)
+        ax.set_yticks(range(len(engines)), list(engines), fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{row['model']}, accumulation {row['accum']}", fontsize=9)
+    axes[-1, 0].set_xlabel("ms per optimizer step (profiling pass, rank 0)")
+    axes[0, 0].legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
     return fig

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 
+from .breakdown import PHASES
 from .plots import MiB, draw
 
 TARGET_RATIO = 1.05
@@ -139,6 +140,7 @@ def write(record: dict, out_dir: str, stem: str) -> str:
         md += ["## Step time per optimizer step (median, min-max, ms)", "", ratio_table(record), ""]
         md += _ratio_details(record)
         md += ["## Targets", "", *_targets(record), ""]
+        md += _breakdown_section(record)
         md += _comm_section(record)
         md += _profile_section(record)
     md += _overhead_section(record)
@@ -242,4 +244,24 @@ def _memory_section(record: dict) -> list[str]:
         whole = r.get("whole_run_peak_bytes")  # absent in records older than this column
         md.append(f"| {r['engine']} | {r['view']} | {r['set_to_none']} | {r['peak_bytes'] / MiB:.0f} | "
                   f"{'' if whole is None else f'{whole / MiB:.0f}'} | {'' if s is None else f'{s:.2f}'} |")
+    return md + [""]
+
+
+def _breakdown_section(record: dict) -> list[str]:
+    rows = [r for r in record["models"] if r.get("breakdown")]
+    if not rows:
+        return []
+    md = ["## Where a window's time goes (profiling pass, rank 0, ms per optimizer step)", "",
+          "A separate pass after the timed windows (see `src/gradsync/tools/bench/breakdown.py`): timers "
+          "around forward, backward and the optimizer; torch.profiler attributes the engine's passes over "
+          "gradient memory inside backward; a plain module's backward is the compute. *Exposed + other* is "
+          "the rest of backward: waiting for collectives, bookkeeping, and compute slowed by collectives "
+          "sharing the cores. *Hidden* = the same buckets all-reduced alone, less the exposed part (not "
+          "part of the step). One window per engine: noisier than the timed ratios above.", "",
+          "| model | accum | engine | " + " | ".join(PHASES) + " | total | hidden |",
+          "|" + "---|" * (len(PHASES) + 5)]
+    for row in rows:
+        for e, b in row["breakdown"]["engines"].items():
+            md.append(f"| {row['model']} | {row['accum']} | {e} | " + " | ".join(_ms(b[k]) for k in PHASES)
+                      + f" | {_ms(b['total'])} | {_ms(b['communication hidden'])} |")
     return md + [""]

@@ -211,7 +211,8 @@ def main(argv=None) -> dict:
         record["overhead"] = run_ranks(measure.overhead_rank, args.world, *((8, 8, 5) if args.quick else ()),
                                        timeout=600)[0]
     record["buckets"] = [] if "buckets" in skip or not plan.models else run_bucket_caps(plan, args.world, log)
-    record["sweep"] = [] if "sweep" in skip else run_sweep(plan, args.world, [n for n in names if n != "gradsync-bf16"], log)
+    swept = [n for n in names if n not in ("gradsync-bf16", "torch-views")]
+    record["sweep"] = [] if "sweep" in skip else run_sweep(plan, args.world, swept, log)
     record["memory"] = [] if "memory" in skip or plan.memory_model is None else \
         run_memory(plan, args.world, names, log)
     if plan.memory_model is not None:
