@@ -51,4 +51,7 @@ def test_sharded_accumulates_and_steps_from_fp32(sync_each_batch):
     for err, masters in run_ranks(sharded_window, 2, 8, sync_each_batch, torch.float32):
         assert err < TOL and masters == {torch.float32}
     bf16 = run_ranks(sharded_window, 2, 8, sync_each_batch, None)
-    assert all(err > 100 * TOL for err, _ in bf16), bf16
+    if sync_each_batch:  # on CPU each micro-step's copies are summed in the fp32 shard (sharded_comm.py)
+        assert all(err < TOL for err, _ in bf16), bf16
+    else:  # the window accumulates in bf16 .grad first
+        assert all(err > 100 * TOL for err, _ in bf16), bf16

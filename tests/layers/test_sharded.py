@@ -91,7 +91,9 @@ def test_matches_torch_ddp_with_the_same_optimizer(world_size, kind, how):
         assert state_a["state"].keys() == state_b["state"].keys()
         for j in state_b["state"]:
             assert_close_dicts(state_a["state"][j], state_b["state"][j], atol=1e-5)
-        assert peak <= (gradsync.layers.sharded_reducer.ShardedReducer.max_inflight + 1.5) * biggest  # not all buckets
+        # each bucket in flight holds its staging buffer and the all-to-all's output (both bucket-sized on
+        # CPU), plus the bucket being filled: not all buckets
+        assert peak <= (2 * gradsync.layers.sharded_reducer.ShardedReducer.max_inflight + 1.5) * biggest
         assert lr == pytest.approx(0.01 * 0.7 ** windows if kind == "adamw" else 0.05 * 0.7 ** windows)
     assert sum(r[2] for r in results) == total  # the shards tile the state exactly
     for r in results[1:]:  # bit-for-bit agreement across ranks

@@ -17,8 +17,8 @@ class ShardedDataParallel(DistributedDataParallel):
     """ZeRO-2-style data parallelism: each rank keeps 1/W of the averaged gradient.
 
     Same constructor and construction checks as ``DistributedDataParallel`` (without
-    ``gradient_as_bucket_view``). Pair it with ``ShardedOptimizer``, which steps this rank's
-    shard and all-gathers the parameters. ``no_sync()`` accumulates full-size local gradients
+    ``gradient_as_bucket_view``), plus ``max_inflight`` and ``staging_budget_mb``. Pair it with
+    ``ShardedOptimizer``, which steps this rank's shard and all-gathers the parameters. ``no_sync()`` accumulates full-size local gradients
     and reduce-scatters them once; syncing every micro-step keeps gradient memory at ~1/W.
     ``reduce_dtype`` (e.g. ``torch.float32`` for bf16 parameters) stages, accumulates (also
     across ``no_sync`` micro-steps, at full size in that dtype) and reduce-scatters in that dtype;
@@ -27,6 +27,16 @@ class ShardedDataParallel(DistributedDataParallel):
     """
 
     reducer_class = ShardedReducer
+
+    def __init__(self, module: torch.nn.Module, *args: Any, max_inflight: int = ShardedReducer.max_inflight,
+                 staging_budget_mb: float | None = None, **kwargs: Any):
+        """``max_inflight``: reduce-scatters in flight at once during backward; ``staging_budget_mb``:
+        a bound on staging memory (buckets being filled or reduced) that launches also respect."""
+        if int(max_inflight) < 1:
+            raise ValueError(f"gradsync: max_inflight must be at least 1, got {max_inflight}")
+        super().__init__(module, *args, **kwargs)
+        self.reducer.max_inflight = int(max_inflight)
+        self.reducer.staging_budget_bytes = None if staging_budget_mb is None else int(staging_budget_mb * 2**20)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         raise NotImplementedError(
@@ -73,6 +83,7 @@ class ShardedDataParallel(DistributedDataParallel):
         self.reducer.has_grad = list(state["has_grad"])
         for bucket, shard in zip(self.reducer.buckets, state["shards"]):
             bucket.grad_shard.copy_(shard)
+            bucket.shard_zero = False
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from .sharded import ShardedDataParallel
-from .sharded_reducer import all_gather
+from .sharded_comm import start_all_gather
 
 
 class _Piece:
@@ -151,7 +151,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if master is not own:
                 own.copy_(master)
             if reducer.world_size > 1:
-                works.append((b, all_gather(b.flat_param, own, group=reducer.group, async_op=True)))
+                works += [(b, w) for w in start_all_gather(b.flat_param, b.shard_numel, reducer.rank,
+                                                           reducer.group, reducer.exchange)]
         for b, work in works:
             reducer.wait(work, f"the parameter all-gather of bucket {b.index}")
         return loss

@@ -12,22 +12,20 @@ size in ``.grad`` and are reduce-scattered once, at the next synced backward.
 """
 from __future__ import annotations
 
-import functools
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.utils.clip_grad
 
 from ..core import guard
-from ..core.comm import all_gather, reduce_scatter
 from ..core.control import check_grad
 from ..core.reducer import Reducer
 from ..core.storage import Bucket
+from .sharded_clip import _install_clip_redirect, _live
+from .sharded_comm import exchanges, fold, start_reduce_scatter
 
 
 
@@ -38,6 +36,7 @@ class ShardedBucket(Bucket):
     flat_param: torch.Tensor | None = None  # parameters are views of this
     grad_shard: torch.Tensor | None = None  # this rank's averaged gradient, accumulated
     out: torch.Tensor | None = None  # reduce-scatter output while in flight
+    shard_zero: bool = True  # grad_shard is all zeros (nothing folded since zero_grad)
 
     @property
     def shard_numel(self) -> int:
@@ -48,12 +47,13 @@ class ShardedReducer(Reducer):
     """Reducer whose buckets are reduce-scattered into per-rank gradient shards."""
 
     wrapper_name = "ShardedDataParallel"
-    divide_on_copy = False  # _launch divides the whole staging buffer
+    divide_on_copy = False  # the fold (or, off CPU, the launch) divides
 
-    # reduce-scatters in flight at once (backward waits for the oldest before launching another):
-    # staging memory is about max_inflight + 1 buckets; 1 overlaps one bucket's reduce-scatter
-    # with the backward that fills the next bucket
-    max_inflight = 1
+    # Reduce-scatters in flight at once (backward folds the oldest before launching another),
+    # and a bound on staging memory (buckets being filled or reduced) that launches respect too:
+    # more than one in flight lets gloo's worker threads reduce two buckets at once.
+    max_inflight = 2
+    staging_budget_bytes: int | None = None  # None: max_inflight alone bounds it
 
     def __init__(self, params, names, process_group, **kwargs):
         if kwargs.get("gradient_as_bucket_view"):
@@ -63,6 +63,8 @@ class ShardedReducer(Reducer):
                 "gradient to view. Leave it False."
             )
         self._inflight: deque[ShardedBucket] = deque()
+        self.exchange = exchanges(params[0].device)  # see sharded_comm.py
+        self.max_inflight_seen = 0
         super().__init__(params, names, process_group, **kwargs)
         self._rebuilt = True  # parameters live in bucket-shaped buffers: never re-plan the buckets
         self.has_grad = [False] * len(self.params)  # got a gradient (on some rank) since zero_grad
@@ -166,20 +168,24 @@ class ShardedReducer(Reducer):
     def _launch(self, bucket: ShardedBucket) -> None:
         if self._iter_trace is not None:
             bucket.times["launch"] = time.perf_counter()
-        while self._inflight and len(self._inflight) >= self.max_inflight:
+        out_bytes = (bucket.numel if self.exchange else bucket.shard_numel) * bucket.buffer.element_size()
+        budget = self.staging_budget_bytes
+        while self._inflight and (len(self._inflight) >= max(1, self.max_inflight) or
+                                  (budget is not None and self.staging_bytes + out_bytes > budget)):
             self._fold(self._inflight.popleft())  # before allocating this bucket's output
-        bucket.buffer.div_(self.world_size)  # divide first: keeps low-precision sums in range
-        bucket.out = torch.empty(bucket.shard_numel, dtype=bucket.buffer.dtype, device=bucket.buffer.device)
-        self._track(bucket.out.numel() * bucket.out.element_size())
-        bucket.handle = reduce_scatter(bucket.out, bucket.buffer, group=self.group, async_op=True)
+        bucket.out, bucket.handle = start_reduce_scatter(bucket.buffer, bucket.shard_numel, self.world_size,
+                                                         self.group, self.exchange)
+        self._track(out_bytes)
         self._inflight.append(bucket)
+        self.max_inflight_seen = max(self.max_inflight_seen, len(self._inflight))
 
     def _fold(self, bucket: ShardedBucket) -> None:
         """Wait for ``bucket``'s reduce-scatter, add it to the shard and free the staging buffers."""
         self.wait(bucket.handle, f"bucket {bucket.index}")
         if self._iter_trace is not None:  # gloo's reduce-scatter has no future: time the wait's end
             bucket.times["done"] = time.perf_counter()
-        bucket.grad_shard.add_(bucket.out)
+        fold(bucket.grad_shard, bucket.out, self.world_size, self.exchange, bucket.shard_zero)
+        bucket.shard_zero = False
         self._track(-self._staged_nbytes(bucket))
         bucket.buffer = bucket.out = bucket.handle = None
 
@@ -215,6 +221,7 @@ class ShardedReducer(Reducer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         for b in self.buckets:
             b.grad_shard.zero_()
+            b.shard_zero = True
         if set_to_none:
             self.has_grad = [False] * len(self.params)
         self.partial = False
@@ -286,39 +293,4 @@ class ShardedReducer(Reducer):
         _live.discard(self)
 
 
-# torch.nn.utils.clip_grad_norm_ reads .grad, which is None for sharded parameters after a synced
-# backward: it would clip nothing and return 0. Once a ShardedReducer exists, torch's function
-# clips the shards when given all of a sharded model's parameters, and raises when given part.
-_live: weakref.WeakSet = weakref.WeakSet()
-_torch_clip_grad_norm_: Any = None
-
-
-def _install_clip_redirect() -> None:
-    global _torch_clip_grad_norm_
-    if _torch_clip_grad_norm_ is not None:
-        return
-    _torch_clip_grad_norm_ = original = torch.nn.utils.clip_grad.clip_grad_norm_
-
-    @functools.wraps(original)
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        if _live:
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            for reducer in list(_live):
-                given = {id(p) for p in parameters if id(p) in reducer._index_of}
-                if not given:
-                    continue
-                others = [p for p in parameters if id(p) not in reducer._index_of and p.grad is not None]
-                if len(given) < len(reducer.params) or others:
-                    raise RuntimeError(
-                        "gradsync: torch.nn.utils.clip_grad_norm_ got some, not all, of a "
-                        "ShardedDataParallel model's parameters (or them mixed with other parameters "
-                        "that have gradients). Their gradients live in per-rank shards; call "
-                        "model.clip_grad_norm_(max_norm), which clips all of them by their global norm.")
-                return reducer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-        return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-
-    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
-
-
-__all__ = ["ShardedBucket", "ShardedReducer", "all_gather"]
+__all__ = ["ShardedBucket", "ShardedReducer"]

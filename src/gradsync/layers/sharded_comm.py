@@ -1,0 +1,63 @@
+"""How a sharded bucket's gradients are reduce-scattered and its parameters all-gathered.
+
+On CPU (gloo) the named collectives are slow: in torch 2.13 gloo's ``reduce_scatter_single``
+clones its input in the caller's thread and then all-reduces the whole buffer (twice the
+bytes of a reduce-scatter), and ``all_gather_single`` copies through a staging buffer. Measured
+on 2 gloo ranks (32 MB, ``benchmarks/results/sharded_speed.md``): reduce-scatter 2.0-2.5x an
+all-reduce, all-gather ~1x. So on CPU a reduce-scatter is an ``all_to_all_single`` (each rank
+receives every rank's copy of its shard, (W-1)/W of the bytes, no reduction) summed locally in
+the shard's accumulation dtype, and an all-gather is one in-place broadcast per owner. On other
+devices (NCCL) the native collectives are used. Every rank issues the same collectives in the
+same order: one per bucket for the gradients, then W per bucket for the parameters.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..core.comm import all_gather, reduce_scatter
+
+
+def exchanges(device: torch.device) -> bool:
+    """Whether buckets on ``device`` use all-to-all and broadcasts instead of the named collectives."""
+    return device.type == "cpu"
+
+
+def start_reduce_scatter(buffer: torch.Tensor, shard_numel: int, world_size: int, group: Any,
+                         exchange: bool) -> tuple[torch.Tensor, Any]:
+    """Start reducing ``buffer`` (this rank's bucket sum) into shards; return (output, work).
+
+    ``exchange``: the output holds every rank's copy of this rank's shard (``fold`` sums them);
+    else the buffer is divided first (keeps low-precision sums in range) and the output is the
+    averaged shard.
+    """
+    if exchange:
+        out = torch.empty_like(buffer)
+        return out, dist.all_to_all_single(out, buffer, group=group, async_op=True)
+    buffer.div_(world_size)
+    out = torch.empty(shard_numel, dtype=buffer.dtype, device=buffer.device)
+    return out, reduce_scatter(out, buffer, group=group, async_op=True)
+
+
+def fold(shard: torch.Tensor, out: torch.Tensor, world_size: int, exchange: bool, fresh: bool) -> None:
+    """Add a finished reduce-scatter's ``out`` (the average) into ``shard``; ``fresh``: ``shard`` is zero."""
+    if not exchange:
+        shard.add_(out)
+        return
+    copies = out.view(world_size, -1)
+    if fresh and shard.dtype == out.dtype:
+        torch.sum(copies, 0, out=shard)
+        shard.div_(world_size)
+    else:
+        shard.add_(copies.sum(0, dtype=shard.dtype).div_(world_size))
+
+
+def start_all_gather(flat: torch.Tensor, shard_numel: int, rank: int, group: Any, exchange: bool) -> list[Any]:
+    """Start filling ``flat`` from every rank's shard of it (this rank's is in place); return the works."""
+    if not exchange:
+        own = flat[rank * shard_numel:(rank + 1) * shard_numel]
+        return [all_gather(flat, own, group=group, async_op=True)]
+    return [dist.broadcast(chunk, src=dist.get_global_rank(group, j), group=group, async_op=True)
+            for j, chunk in enumerate(flat.split(shard_numel))]
