@@ -15,7 +15,6 @@ import contextlib
 import sys
 from collections.abc import Iterator
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
