@@ -88,3 +88,31 @@ def test_reduce_scatters_in_flight_under_a_budget(max_inflight, budget_buckets):
 def test_max_inflight_must_be_positive():
     with pytest.raises(ValueError, match="max_inflight"):
         gradsync.ShardedDataParallel(mlp(), max_inflight=0)
+
+
+def interleaved(rank, world_size):
+    ours = gradsync.ShardedDataParallel(model(seed=rank), **SMALL)
+    theirs = nn.parallel.DistributedDataParallel(model(seed=rank))
+    opt_a, opt_b = optimizers("adamw", ours, theirs)
+    events = []
+    broadcast, inner_step = dist.broadcast, opt_a.optimizer.step
+    dist.broadcast = lambda *a, **k: events.append("gather") or broadcast(*a, **k)
+    opt_a.optimizer.step = lambda *a, **k: events.append("step") or inner_step(*a, **k)
+    data = batches(2 * K, world_size, per_rank=4)
+    try:
+        for w in range(2):
+            window(w, data, rank, world_size, [(ours, "no_sync"), (theirs, "no_sync")])
+            for opt in (opt_a, opt_b):
+                opt.step()
+                opt.zero_grad()
+    finally:
+        dist.broadcast = broadcast
+    return events, len(ours.reducer.buckets), params(ours.module), params(theirs.module)
+
+
+def test_each_bucket_is_gathered_while_the_next_one_steps():
+    for events, buckets, ours, theirs in run_ranks(interleaved, 2):
+        assert_close_dicts(ours, theirs, atol=1e-5)
+        one_step = events[:len(events) // 2]
+        assert one_step.count("step") > 2 and one_step.count("gather") == 2 * buckets
+        assert one_step.index("gather") < len(one_step) - 1 - one_step[::-1].index("step")  # not all at the end

@@ -84,6 +84,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     tensors.append(piece.tensor)
             inner_groups.append({**options, "params": tensors})
         self.optimizer = optimizer_class(inner_groups, **kwargs)
+        self._bucket_pieces: list[list[_Piece]] = [[] for _ in reducer.buckets]
+        for piece in self._pieces:
+            self._bucket_pieces[reducer._bucket_of[piece.param]].append(piece)
         self._initializing = True
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
         self._initializing = False
@@ -142,10 +145,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reducer = self.reducer
         reducer.check_ready_to_step()
         for piece in self._pieces:
-            piece.tensor.grad = piece.grad if reducer.has_grad[piece.param] else None
-        self.optimizer.step()
+            piece.tensor.grad = None
+        # bucket by bucket (the optimizer is element-wise), so that each bucket's all-gather runs
+        # while the optimizer steps the next one
         works = []
-        for b, master in zip(reducer.buckets, self._masters):
+        for b, master, pieces in zip(reducer.buckets, self._masters, self._bucket_pieces):
+            stepped = [p for p in pieces if reducer.has_grad[p.param]]
+            if stepped:
+                for piece in stepped:
+                    piece.tensor.grad = piece.grad
+                self.optimizer.step()
+                for piece in stepped:
+                    piece.tensor.grad = None
             start, end = reducer.shard_range(b)
             own = b.flat_param[start:end]
             if master is not own:
@@ -155,6 +166,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                            reducer.group, reducer.exchange)]
         for b, work in works:
             reducer.wait(work, f"the parameter all-gather of bucket {b.index}")
+        for piece in self._pieces:
+            piece.tensor.grad = piece.grad if reducer.has_grad[piece.param] else None
         return loss
 
     # ---------------------------------------------------------------- checkpoints
