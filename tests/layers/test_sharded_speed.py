@@ -13,6 +13,15 @@ NAMES = ("all_to_all_single", "broadcast", "reduce_scatter_single", "all_gather_
          "all_gather_into_tensor")
 
 
+def train(rank, world_size, ours, theirs, opt_a, opt_b, windows, how):
+    data = batches(windows * K, world_size, per_rank=4)
+    for w in range(windows):
+        window(w, data, rank, world_size, [(ours, how), (theirs, "no_sync")])
+        for opt in (opt_a, opt_b):
+            opt.step()
+            opt.zero_grad()
+
+
 def counted(rank, world_size):
     calls = {n: 0 for n in NAMES}
     originals = {n: getattr(dist, n) for n in NAMES}
@@ -26,15 +35,10 @@ def counted(rank, world_size):
     ours = gradsync.ShardedDataParallel(model(seed=rank), **CAPS)  # construction broadcasts: not counted
     theirs = nn.parallel.DistributedDataParallel(model(seed=rank))
     opt_a, opt_b = optimizers("adamw", ours, theirs)
-    data = batches(2 * K, world_size, per_rank=4)
     for n in NAMES:
         setattr(dist, n, counting(n))
     try:
-        for w in range(2):
-            window(w, data, rank, world_size, [(ours, "no_sync"), (theirs, "no_sync")])
-            for opt in (opt_a, opt_b):
-                opt.step()
-                opt.zero_grad()
+        train(rank, world_size, ours, theirs, opt_a, opt_b, 2, "no_sync")
     finally:
         for n in NAMES:
             setattr(dist, n, originals[n])
@@ -62,12 +66,7 @@ def inflight(rank, world_size, max_inflight, budget_buckets):
                                         **SMALL)
     theirs = nn.parallel.DistributedDataParallel(model(seed=rank))
     opt_a, opt_b = optimizers("sgd", ours, theirs)
-    data = batches(3 * K, world_size, per_rank=4)
-    for w in range(3):
-        window(w, data, rank, world_size, [(ours, "sync_each_batch"), (theirs, "no_sync")])
-        for opt in (opt_a, opt_b):
-            opt.step()
-            opt.zero_grad()
+    train(rank, world_size, ours, theirs, opt_a, opt_b, 3, "sync_each_batch")
     r = ours.reducer
     return params(ours.module), params(theirs.module), r.max_inflight_seen, r.peak_staging_bytes, biggest, \
         len(r.buckets)
@@ -98,13 +97,8 @@ def interleaved(rank, world_size):
     broadcast, inner_step = dist.broadcast, opt_a.optimizer.step
     dist.broadcast = lambda *a, **k: events.append("gather") or broadcast(*a, **k)
     opt_a.optimizer.step = lambda *a, **k: events.append("step") or inner_step(*a, **k)
-    data = batches(2 * K, world_size, per_rank=4)
     try:
-        for w in range(2):
-            window(w, data, rank, world_size, [(ours, "no_sync"), (theirs, "no_sync")])
-            for opt in (opt_a, opt_b):
-                opt.step()
-                opt.zero_grad()
+        train(rank, world_size, ours, theirs, opt_a, opt_b, 2, "no_sync")
     finally:
         dist.broadcast = broadcast
     return events, len(ours.reducer.buckets), params(ours.module), params(theirs.module)
