@@ -25,7 +25,7 @@ from ..core.control import check_grad
 from ..core.reducer import Reducer
 from ..core.storage import Bucket
 from .sharded_clip import _install_clip_redirect, _live
-from .sharded_comm import exchanges, fold, start_reduce_scatter
+from .sharded_comm import BufferPool, exchanges, fold, start_reduce_scatter
 
 
 
@@ -64,6 +64,7 @@ class ShardedReducer(Reducer):
             )
         self._inflight: deque[ShardedBucket] = deque()
         self.exchange = exchanges(params[0].device)  # see sharded_comm.py
+        self.pool = BufferPool(limit=2 * self.max_inflight + 2)
         self.max_inflight_seen = 0
         super().__init__(params, names, process_group, **kwargs)
         self._rebuilt = True  # parameters live in bucket-shaped buffers: never re-plan the buckets
@@ -142,14 +143,18 @@ class ShardedReducer(Reducer):
         bucket = self.buckets[self._bucket_of[i]]
         if bucket.buffer is None:
             if self.reduce_dtype is None:
-                bucket.buffer = torch.empty_like(bucket.flat_param)
+                bucket.buffer = self._take(bucket, bucket.numel, bucket.flat_param.dtype)
                 end = bucket.offsets[-1] + self.params[bucket.members[-1]].numel()
                 bucket.buffer[end:].zero_()  # padding
             else:  # also the window's accumulation buffer
-                bucket.buffer = torch.zeros_like(bucket.flat_param, dtype=self.reduce_dtype)
+                bucket.buffer = self._take(bucket, bucket.numel, self.reduce_dtype).zero_()
             self._track(self._staged_nbytes(bucket))
         p = self.params[i]
         return bucket.buffer[self._offset_of[i]:self._offset_of[i] + p.numel()].view(p.shape)
+
+    def _take(self, bucket: ShardedBucket, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        self.pool.limit = 2 * self.max_inflight + 2  # about the staging peak: in flight, being filled
+        return self.pool.take(numel, dtype, bucket.flat_param.device)
 
     def _copy_to_bucket(self, i: int) -> None:
         if self.reduce_dtype is not None:
@@ -168,13 +173,14 @@ class ShardedReducer(Reducer):
     def _launch(self, bucket: ShardedBucket) -> None:
         if self._iter_trace is not None:
             bucket.times["launch"] = time.perf_counter()
-        out_bytes = (bucket.numel if self.exchange else bucket.shard_numel) * bucket.buffer.element_size()
+        out_numel = bucket.numel if self.exchange else bucket.shard_numel
+        out_bytes = out_numel * bucket.buffer.element_size()
         budget = self.staging_budget_bytes
         while self._inflight and (len(self._inflight) >= max(1, self.max_inflight) or
                                   (budget is not None and self.staging_bytes + out_bytes > budget)):
             self._fold(self._inflight.popleft())  # before allocating this bucket's output
-        bucket.out, bucket.handle = start_reduce_scatter(bucket.buffer, bucket.shard_numel, self.world_size,
-                                                         self.group, self.exchange)
+        bucket.out = self._take(bucket, out_numel, bucket.buffer.dtype)
+        bucket.handle = start_reduce_scatter(bucket.buffer, bucket.out, self.world_size, self.group, self.exchange)
         self._track(out_bytes)
         self._inflight.append(bucket)
         self.max_inflight_seen = max(self.max_inflight_seen, len(self._inflight))
@@ -187,6 +193,7 @@ class ShardedReducer(Reducer):
         fold(bucket.grad_shard, bucket.out, self.world_size, self.exchange, bucket.shard_zero)
         bucket.shard_zero = False
         self._track(-self._staged_nbytes(bucket))
+        self.pool.give(bucket.buffer, bucket.out)
         bucket.buffer = bucket.out = bucket.handle = None
 
     # ---------------------------------------------------------------- end of backward
@@ -229,6 +236,7 @@ class ShardedReducer(Reducer):
             self._fresh = [True] * len(self.params)
             for b in self.buckets:
                 self._track(-self._staged_nbytes(b))
+                self.pool.give(b.buffer)
                 b.buffer = None
         for p in self.params:
             if p.grad is not None:
