@@ -1,11 +1,10 @@
 """The sharded engine's fast paths: CPU collectives, several reduce-scatters in flight under a budget."""
 import pytest
-import torch
 import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from helpers import assert_close_dicts, batches, mlp, params, shard
+from helpers import assert_close_dicts, batches, mlp, params
 from test_sharded import CAPS, K, model, optimizers, window
 from gradsync.tools.launch import run_ranks
 

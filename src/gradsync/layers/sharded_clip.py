@@ -6,7 +6,36 @@ import weakref
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.utils.clip_grad
+
+
+@torch.no_grad()
+def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
+                error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip ``reducer``'s gradient shards by their global norm (across all ranks); return that norm."""
+    reducer.check_ready_to_step()
+    norm_type = float(norm_type)
+    shards = [b.grad_shard for b in reducer.buckets]
+    device = shards[0].device
+    if norm_type == float("inf"):
+        local = torch.stack([s.abs().max() for s in shards]).max().to(torch.float64)
+        op = dist.ReduceOp.MAX
+    else:
+        local = sum((s.double().abs().pow(norm_type).sum() for s in shards),
+                    torch.zeros((), dtype=torch.float64, device=device))
+        op = dist.ReduceOp.SUM
+    reducer.wait(dist.all_reduce(local, op=op, group=reducer.group, async_op=True), "the gradient-norm all-reduce")
+    total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
+    total = total.to(shards[0].dtype)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"gradsync: the total norm of order {norm_type} of the gradients is "
+                           "non-finite, so it cannot be clipped. Pass error_if_nonfinite=False "
+                           "to clip anyway.")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    torch._foreach_mul_(shards, coef)
+    return total
+
 
 # torch.nn.utils.clip_grad_norm_ reads .grad, which is None for sharded parameters after a synced
 # backward: it would clip nothing and return 0. Once a ShardedReducer exists, torch's function

@@ -4,10 +4,12 @@
 end-of-backward control check) and changes only what happens to a bucket. Parameters live in
 one flat buffer per bucket, padded so that it splits into ``world_size`` equal shards; rank r
 owns shard r. In a synced backward each parameter's gradient is copied into a staging buffer
-for its bucket and ``.grad`` is released; a full bucket is divided by the world size and
-reduce-scattered, and the result is added to this rank's shard accumulator (fp32 or wider).
-Staging buffers live only while their bucket is being filled or reduced, so gradient memory
-is about 1/W of the model plus a few buckets. Under ``no_sync`` gradients accumulate at full
+for its bucket and ``.grad`` is released; a full bucket is reduce-scattered (``sharded_comm.py``:
+on CPU an all-to-all summed locally) and its average is added to this rank's shard accumulator
+(fp32 or wider). Up to ``max_inflight`` buckets are in flight (and ``staging_budget_bytes``).
+Staging buffers are in use only while their bucket is being filled or reduced, and a small pool
+keeps a few for the next buckets, so gradient memory is about 1/W of the model plus a few
+buckets. Under ``no_sync`` gradients accumulate at full
 size in ``.grad`` and are reduce-scattered once, at the next synced backward.
 """
 from __future__ import annotations
@@ -18,13 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ..core import guard
 from ..core.control import check_grad
 from ..core.reducer import Reducer
 from ..core.storage import Bucket
-from .sharded_clip import _install_clip_redirect, _live
+from .sharded_clip import _install_clip_redirect, _live, clip_shards
 from .sharded_comm import BufferPool, exchanges, fold, start_reduce_scatter
 
 
@@ -269,32 +270,10 @@ class ShardedReducer(Reducer):
             "synchronizing backward), so a torch optimizer would skip them silently. Use "
             f"gradsync.ShardedOptimizer(model, torch.optim.{type(optimizer).__name__}, ...) instead.")
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the sharded gradient by its global norm (across all ranks); return that norm."""
-        self.check_ready_to_step()
-        norm_type = float(norm_type)
-        shards = [b.grad_shard for b in self.buckets]
-        device = shards[0].device
-        if norm_type == float("inf"):
-            local = torch.stack([s.abs().max() for s in shards]).max().to(torch.float64)
-            op = dist.ReduceOp.MAX
-        else:
-            local = sum((s.double().abs().pow(norm_type).sum() for s in shards),
-                        torch.zeros((), dtype=torch.float64, device=device))
-            op = dist.ReduceOp.SUM
-        self.wait(dist.all_reduce(local, op=op, group=self.group, async_op=True),
-                  "the gradient-norm all-reduce")
-        total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
-        total = total.to(shards[0].dtype)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"gradsync: the total norm of order {norm_type} of the gradients is "
-                               "non-finite, so it cannot be clipped. Pass error_if_nonfinite=False "
-                               "to clip anyway.")
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        torch._foreach_mul_(shards, coef)
-        return total
+        return clip_shards(self, max_norm, norm_type, error_if_nonfinite)
 
     def remove_hooks(self) -> None:
         super().remove_hooks()
