@@ -1,7 +1,7 @@
 """torch.compile: torch's DDP + compile against gradsync + compile, step time and overlap (issue 15).
 
     python benchmarks/compile_bench.py                        # 2 ranks, writes results/compile_bench.{json,md}
-    python benchmarks/compile_bench.py --reps 3 --out /tmp    # a quick look
+    python benchmarks/compile_bench.py --quick --out /tmp    # tiny models, aot_eager: a smoke test
 
 Both wrappers get identical copies of each model, the same data and bucket caps (25 MiB) and are
 compiled whole, ``torch.compile(wrapper)``; eager gradsync and eager torch run alongside. The four
@@ -100,7 +100,7 @@ def summarize(times: dict[str, list[float]]) -> dict:
     return row
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--reps", type=int, default=15)
@@ -108,15 +108,22 @@ def main() -> None:
     p.add_argument("--accum", type=int, nargs="+", default=[1, 4])
     p.add_argument("--backend", default="inductor")
     p.add_argument("--out", type=Path, default=RESULTS)
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="tiny models, aot_eager: a smoke test, not a measurement")
+    args = p.parse_args(argv)
+    models, overlaps = MODELS, OVERLAP
+    if args.quick:
+        args.reps, args.warmup, args.backend = 1, 2, "aot_eager"
+        models = [ModelSpec(name="gpt-tiny", kind="gpt", width=64, depth=1, batch=1, seq=16),
+                  ModelSpec(name="mlp-tiny", kind="mlp", width=32, depth=2, batch=4)]
+        overlaps = [(models[1], 25.0)]  # torch + compile fails below 1 MiB (its first-bucket assert)
     rows, load_before = [], os.getloadavg()
-    for spec in MODELS:
+    for spec in models:
         for accum in args.accum:
             times = run_ranks(time_rank, args.world, spec, accum, args.warmup, args.reps, args.backend,
                               timeout=3600)[0]
             rows.append({"model": spec.name, "accum": accum, **summarize(times)})
             print(spec.name, accum, rows[-1]["paired_ratio"], rows[-1]["eager_ratio"], flush=True)
-    for spec, cap in OVERLAP:
+    for spec, cap in overlaps:
         shares = run_ranks(overlap_rank, args.world, spec, cap, args.warmup, args.reps, args.backend, timeout=3600)
         rows.append({"model": spec.name, "bucket_cap_mb": cap, "overlap": shares[0]})
         print(spec.name, cap, "overlap", shares[0], flush=True)

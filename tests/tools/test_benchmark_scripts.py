@@ -66,3 +66,8 @@ def test_header_cost_quick_run(tmp_path):
 def test_overlap_optimizer_quick_run(tmp_path):
     report = run_script("overlap_optimizer", tmp_path)
     assert "gradsync views + overlap" in report and report.count("| gpt-tiny | 1 |") == 1
+
+
+def test_compile_bench_quick_run(tmp_path):
+    report = run_script("compile_bench", tmp_path)
+    assert report.count("| gpt-tiny | 1 |") == 1 and "| mlp-tiny | 25 | gradsync+compile |" in report
