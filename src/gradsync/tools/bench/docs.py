@@ -80,6 +80,7 @@ def blocks(record: dict, link: str) -> dict[str, str]:
         f"at accumulation {one} and {_ratios(record, 'gradsync-sharded', many)} x at accumulation "
         f"{many} (paired ratios).")
     out["python"] = _python(record)
+    out["breakdown"] = _breakdown(record)
     out["latest"] = "\n".join([
         f"Run: {source}.", "",
         f"- Step time, gradsync / torch (paired): {'; '.join(_row_ratios(record, 'gradsync'))}.",
@@ -120,6 +121,23 @@ def _buckets(record: dict) -> str:
     return "\n".join(lines)
 
 
+def _breakdown(record: dict) -> str:
+    """The engines' own passes and the exposed communication, from the profiling pass."""
+    engines = [e for e in ("gradsync", "torch-views", "torch") if e in record["engines"]]
+    lines = ["Profiling pass of the same run (ms per optimizer step, rank 0; [all phases and engines]"
+             f"({record.get('_link', '')})):", "",
+             "| model | accum | engine | copy into buckets | division | write-back | exposed + other | "
+             "step | paired / torch |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in record["models"]:
+        for e in engines:
+            b = r["breakdown"]["engines"][e]
+            lines.append(f"| {r['model']} | {r['accum']} | {e} | {1e3 * b['bucket copy-in']:.1f} | "
+                         f"{1e3 * b['division']:.1f} | {1e3 * b['write-back']:.1f} | "
+                         f"{1e3 * b['communication exposed + other']:.1f} | {1e3 * b['total']:.0f} | "
+                         f"{r['paired_ratio'][e]:.3f} |")
+    return "\n".join(lines)
+
+
 def _views(record: dict) -> str:
     mem = record["memory"]
     peak = {(r["engine"], r["view"], r["set_to_none"]): r["peak_bytes"] / 2**20 for r in mem}
@@ -146,7 +164,7 @@ def _python(record: dict) -> str:
 
 def render(text: str, record: dict, link: str) -> str:
     """``text`` with every bench block regenerated from ``record``."""
-    made = blocks(record, link)
+    made = blocks({**record, "_link": link}, link)
 
     def fill(m: re.Match) -> str:
         if m.group(2) not in made:
