@@ -10,11 +10,14 @@ parameters that some rank produced no gradient for, and find parameters unused o
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
+
+from . import works
 
 
 class SyncError(RuntimeError):
@@ -23,13 +26,18 @@ class SyncError(RuntimeError):
 
 def bounded_wait(handle: Any, timeout: timedelta) -> None:
     """Wait for a ``dist.Work`` or a future; raise its error, or TimeoutError after ``timeout``."""
+    works.hold(handle)  # gloo's thread must never drop its last reference (works.py)
     if not isinstance(handle, torch._C.Future):
         handle.wait(timeout)
         return
     if not handle.done():
-        done = threading.Event()
-        handle.add_done_callback(lambda _fut: done.set())
-        if not done.wait(timeout.total_seconds()):
+        released = threading.Event()
+        signal = lambda _fut: None  # noqa: E731
+        # wake once gloo's thread has run the callback *and dropped it*, which takes the GIL (works.py)
+        weakref.finalize(signal, released.set)
+        handle.add_done_callback(signal)
+        del signal
+        if not released.wait(timeout.total_seconds()):
             raise TimeoutError("operation timed out")
     handle.wait()  # re-raises an error the future holds
 
