@@ -11,7 +11,7 @@ from torch import nn
 
 import gradsync
 from gradsync.tools.launch import run_ranks
-from helpers import Branches, assert_close_dicts, batches, params, shard
+from helpers import TIMEOUT, Branches, assert_close_dicts, batches, faults, outcome, params, shard
 
 TorchDDP = nn.parallel.DistributedDataParallel
 # aot_eager runs Dynamo's graphs and AOT autograd's joint forward/backward as inductor gets them,
@@ -211,3 +211,24 @@ def test_first_bucket_launches_before_half_the_compiled_backward():
             assert n_buckets >= 8 and sorted(shares)[1] < 0.5, (form, shares)
     for shares, _ in run_ranks(overlap, 2, "outer", False, timeout=120):  # no split: all at the end
         assert sorted(shares)[1] > 0.5, shares
+
+
+def unfinished(rank, world_size):
+    """Compiled autograd, find_unused_parameters: `b` only in the no_sync micro-step, on rank 0."""
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        model, _ = build("eager", gradsync.DDP, Branches(), find_unused_parameters=True, timeout=TIMEOUT)
+
+        @torch.compile(backend=BACKEND)
+        def step(x, y, use_b):
+            F.mse_loss(model(x, use_b=use_b), y).backward()
+
+        x, y = torch.randn(4, 8), torch.randn(4, 4)
+        with model.no_sync():
+            step(x, y, rank == 0)
+        return outcome(lambda: [step(x, y, False) for _ in range(2)])  # rank 0 raises at the second
+
+
+def test_compiled_autograd_refuses_a_sync_it_could_not_finish():
+    (kind, message, _), other = faults(unfinished)
+    assert kind == "RuntimeError" and "compiled autograd" in message, message
+    assert other[0] == "SyncError", other  # waited for rank 0's bucket, bounded: no hang, no crash

@@ -39,6 +39,7 @@ class Reducer(BucketStorage, BucketLauncher):
     """Per-iteration state machine; bucket memory in ``BucketStorage``, launches in ``BucketLauncher``."""
 
     wrapper_name = "DistributedDataParallel"  # named by the unsynchronized-step error
+    _compiled_autograd = False  # the current backward runs under compiled autograd (compile.py)
 
     def __init__(
         self,
@@ -107,6 +108,13 @@ class Reducer(BucketStorage, BucketLauncher):
     # ---------------------------------------------------------------- forward side
     def prepare_for_forward(self) -> None:
         if self._in_backward:  # the last backward raised before its end: drop its state
+            if self._syncing and self._compiled_autograd:
+                raise RuntimeError(
+                    "gradsync: under compiled autograd a synced backward ends when its last bucket "
+                    "launches, and the previous one ended with buckets unlaunched: some parameters "
+                    "expected to get a gradient got none (find_unused_parameters with a parameter used "
+                    "only in earlier no_sync micro-steps, or static_graph's first iteration). Set "
+                    "torch._dynamo.config.compiled_autograd = False for such steps.")
             self._reset_iteration()
 
     def prepare_for_backward(self, outputs: Any, training: bool = True, sync: bool = True) -> None:
@@ -144,7 +152,9 @@ class Reducer(BucketStorage, BucketLauncher):
     def _begin_backward(self) -> None:
         self._in_backward = True
         self._compiled_autograd = in_compiled_autograd()
-        if not self._compiled_autograd:
+        if self._compiled_autograd:
+            self._mark_unsynced()  # until its last bucket ends the sync: no optimizer step before
+        else:
             torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
         if self._pending_forwards == 0:  # no forward of the wrapper prepared it: local, as in torch
             self._warn_unprepared_backward()
