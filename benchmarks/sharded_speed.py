@@ -64,6 +64,14 @@ class Sharded(Engine):
         return model, gradsync.ShardedOptimizer(model, torch.optim.AdamW, lr=LR)
 
 
+class ShardedSmallBuckets(Engine):
+    """Buckets of about one layer, as FSDP2 shards per layer: less staging memory."""
+
+    def build(self, module):
+        model = gradsync.ShardedDataParallel(module, bucket_cap_mb=4, first_bucket_cap_mb=1)
+        return model, gradsync.ShardedOptimizer(model, torch.optim.AdamW, lr=LR)
+
+
 class Zero(Engine):
     def build(self, module):
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -103,8 +111,8 @@ class FSDP2(Engine):
         loss_fn(self.model(x), y).backward()
 
 
-ENGINES = {"torch-ddp": TorchDDP, "gradsync-sharded": Sharded, "zero": Zero, "zero-overlap": ZeroOverlap,
-           "fsdp2": FSDP2}
+ENGINES = {"torch-ddp": TorchDDP, "gradsync-sharded": Sharded, "sharded-4mb": ShardedSmallBuckets, "zero": Zero,
+           "zero-overlap": ZeroOverlap, "fsdp2": FSDP2}
 
 
 def _window(engine: Engine, spec: ModelSpec, rank: int, step: int, accum: int) -> None:
@@ -189,7 +197,7 @@ def summarize(times: dict[str, list[float]]) -> dict:
 
 
 def report(record: dict) -> str:
-    names = list(ENGINES)
+    names = [n for n in ENGINES if any(n in row["paired_ratio"] or n in row["failed"] for row in record["rows"])]
     lines = [f"# Sharded training side by side ({record['world']} gloo ranks, AdamW)", "",
              f"Machine: {record['machine']['cpu']} ({record['machine']['cores']} cores), torch {record['torch']}; "
              f"load average before {record['load_before'][0]:.1f}, after {record['load_after'][0]:.1f} "
@@ -230,6 +238,7 @@ def main(argv=None) -> dict:
     p.add_argument("--no-memory", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke test")
+    p.add_argument("--stem", default="sharded_speed", help="results file name")
     args = p.parse_args(argv)
     models = QUICK if args.quick else MODELS
     if args.quick:
@@ -258,7 +267,7 @@ def main(argv=None) -> dict:
               "warmup": args.warmup, "runs": args.runs, "load_before": load_before, "load_after": os.getloadavg(),
               "rows": rows, "memory": memory}
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = "sharded_speed" + ("-quick" if args.quick else "")
+    stem = args.stem + ("-quick" if args.quick else "")
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1))
     (args.out / f"{stem}.md").write_text(report(record))
     print(report(record))
