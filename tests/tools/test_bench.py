@@ -34,7 +34,7 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
     assert row["bytes"]["gradsync-bf16"]["by_op"]["all_reduce:gradients"] == row["grad_bytes"] // 2
     if "gradsync-sharded" in row["bytes"]:  # reduce-scatter once per window (buckets padded to W)
         scattered = sum(v for k, v in row["bytes"]["gradsync-sharded"]["by_op"].items()
-                        if k.startswith("reduce_scatter") and k.endswith("gradients"))
+                        if k.startswith(("reduce_scatter", "all_to_all")) and k.endswith("gradients"))
         assert row["grad_bytes"] <= scattered < row["grad_bytes"] + 1024
     # One traced synced backward per window (2 windows), each bucket launched and finished.
     assert len(row["trace"]) == 2

@@ -24,9 +24,11 @@ from .models import TorchEngine, count_params, loss_fn, make_engines
 
 # Collectives gradsync (and the naive baseline) call through ``torch.distributed``, with the bytes
 # one rank sends under ring algorithms, per byte of the full tensor: all-reduce 2(W-1)/W,
-# reduce-scatter and all-gather (W-1)/W, broadcast ~1 (pipelined).
+# reduce-scatter and all-gather (W-1)/W; all-to-all (W-1)/W (the sharded reduce-scatter on CPU);
+# broadcast (W-1)/W on average over ranks (W-1 receivers; the sharded all-gather on CPU is W of them).
 RING_FACTOR = {"all_reduce": lambda w: 2 * (w - 1) / w, "reduce_scatter_tensor": lambda w: (w - 1) / w,
-               "all_gather_into_tensor": lambda w: (w - 1) / w, "broadcast": lambda w: 1.0}
+               "all_gather_into_tensor": lambda w: (w - 1) / w, "broadcast": lambda w: (w - 1) / w,
+               "all_to_all_single": lambda w: (w - 1) / w}
 # torch 2.13 names for the same two (output first, like the old ones)
 for _new, _old in (("reduce_scatter_single", "reduce_scatter_tensor"), ("all_gather_single", "all_gather_into_tensor")):
     if hasattr(dist, _new):
@@ -167,7 +169,8 @@ def communication(rank, world, spec, engines, accum, cap, windows: int = 2) -> d
         by_kind: dict[str, float] = defaultdict(float)
         wire = 0.0
         for op, dtype, nbytes in log:
-            kind = "control" if "float" not in dtype else "parameters" if op.startswith("all_gather") else "gradients"
+            params = op.startswith(("all_gather", "broadcast"))
+            kind = "control" if "float" not in dtype else "parameters" if params else "gradients"
             by_kind[f"{op}:{kind}"] += nbytes / windows
             wire += RING_FACTOR[op](world) * nbytes / windows
         out["bytes"][name] = {"by_op": dict(by_kind), "ring_wire_bytes": wire, "calls": len(log) / windows}
