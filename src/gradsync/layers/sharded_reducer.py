@@ -237,7 +237,8 @@ class ShardedReducer(Reducer):
             self._fresh = [True] * len(self.params)
             for b in self.buckets:
                 self._track(-self._staged_nbytes(b))
-                self.pool.give(b.buffer)
+                if b.handle is None:  # else a failed backward left it in flight: not reusable
+                    self.pool.give(b.buffer)
                 b.buffer = None
         for p in self.params:
             if p.grad is not None:
