@@ -115,6 +115,24 @@ ENGINES = {"torch-ddp": TorchDDP, "gradsync-sharded": Sharded, "sharded-4mb": Sh
            "zero-overlap": ZeroOverlap, "fsdp2": FSDP2}
 
 
+def add_before(src: str) -> None:
+    """Add engine ``sharded-before``: ShardedDataParallel from another checkout's ``src/gradsync``
+    (e.g. ``git archive <commit> src | tar -x -C /tmp/old``), imported as ``gradsync_before``."""
+    import shutil
+    import sys
+    import tempfile
+    root = tempfile.mkdtemp(prefix="gradsync-before-")
+    shutil.copytree(Path(src) / "gradsync", Path(root) / "gradsync_before")  # its imports are relative
+    sys.path.insert(0, root)
+    import gradsync_before  # noqa: PLC0415
+
+    class Before(Engine):
+        def build(self, module):
+            model = gradsync_before.ShardedDataParallel(module)
+            return model, gradsync_before.ShardedOptimizer(model, torch.optim.AdamW, lr=LR)
+    ENGINES["sharded-before"] = Before
+
+
 def _window(engine: Engine, spec: ModelSpec, rank: int, step: int, accum: int) -> None:
     for k in range(accum):
         x, y = spec.batch_for(rank, step * accum + k)
@@ -239,7 +257,10 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke test")
     p.add_argument("--stem", default="sharded_speed", help="results file name")
+    p.add_argument("--before", help="an older checkout's src/ directory: adds engine sharded-before")
     args = p.parse_args(argv)
+    if args.before:
+        add_before(args.before)
     models = QUICK if args.quick else MODELS
     if args.quick:
         args.reps, args.warmup, args.runs = 1, 0, 1
