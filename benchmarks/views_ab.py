@@ -1,0 +1,92 @@
+"""Paired A/B in one run (issue 17 item 2): gradsync on gradient views as now (one pass: the divided
+copy into the bucket), the previous views path (a copy, then a whole-bucket div_ at launch), gradsync
+without views, torch's DDP and torch's DDP with views, on gradsync bench's models, AdamW.
+
+    python benchmarks/views_ab.py [timed windows per engine, default 9] [--quick]
+
+Prints per model and accumulation the paired (per-round) ratio of each engine to torch's DDP and
+of the current views path to the previous one, with the load average before and after.
+"""
+import copy
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from gradsync.core.storage import BucketStorage
+from gradsync.tools.bench import measure
+from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine, TorchViewsEngine
+from gradsync.tools.launch import run_ranks
+
+
+class PreviousViews(GradsyncEngine):
+    """The views path before issue 17: copy without dividing, then divide the whole bucket at launch."""
+
+    name = "gradsync-prev"
+
+    def wrap(self, module, cap, view):
+        model = super().wrap(module, cap, view)
+        r = model.reducer
+        r._adopt_view = lambda i, divide=False: BucketStorage._adopt_view(r, i, False)
+        launch = r._launch
+
+        def divide_then_launch(bucket):
+            if r.comm_hook is None:
+                bucket.buffer.div_(r.world_size)
+            launch(bucket)
+        r._launch = divide_then_launch
+        return model
+
+
+class NoViews(GradsyncEngine):
+    name = "gradsync-noview"
+    view = False
+
+
+def rank_fn(rank, world, spec, accum, reps, warmup=2):
+    torch.set_num_threads(1)
+    base = spec.build(seed=0)
+    engines = {c.name: c(copy.deepcopy(base), bucket_cap_mb=25, view=None, set_to_none=True, lr=1e-3)
+               for c in (GradsyncEngine, PreviousViews, NoViews, TorchEngine, TorchViewsEngine)}
+    names = list(engines)
+    times = {n: [] for n in names}
+    for rep in range(warmup + reps):
+        shift = rep % len(names)
+        for n in names[shift:] + names[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            measure._window(engines[n], spec, rank, rep, accum)
+            wall = measure._reduce([time.perf_counter() - start], dist.ReduceOp.MAX)[0]
+            if rep >= warmup:
+                times[n].append(wall)
+    return times
+
+
+def paired(a, b):
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def main(reps: int, quick: bool = False) -> list[str]:
+    specs = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
+             ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64)]
+    if quick:  # a smoke test
+        specs = [ModelSpec(name="mlp-tiny", kind="mlp", width=64, depth=2, batch=4)]
+    lines = []
+    for spec in specs:
+        for accum in (1, 4):
+            load = os.getloadavg()[0]
+            t = run_ranks(rank_fn, 2, spec, accum, reps, timeout=900)[0]
+            cells = [f"{n} {paired(v, t['torch']):.3f}" for n, v in t.items()]
+            lines.append(f"{spec.name} accum {accum} load {load:.1f}->{os.getloadavg()[0]:.1f} torch "
+                         f"{1e3 * statistics.median(t['torch']):.0f} ms | " + " | ".join(cells)
+                         + f" | new/prev {paired(t['gradsync'], t['gradsync-prev']):.3f}")
+            print(lines[-1], flush=True)
+    return lines
+
+
+if __name__ == "__main__":
+    args = [a for a in sys.argv[1:] if a != "--quick"]
+    main(int(args[0]) if args else 9, quick="--quick" in sys.argv)
