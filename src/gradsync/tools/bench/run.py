@@ -9,7 +9,7 @@ trace), a cProfile of gradsync's Python overhead, a model-size sweep, and steady
 with and without ``gradient_as_bucket_view`` under both ``zero_grad`` styles. Writes a markdown
 report, a JSON record and PNG plots to ``benchmarks/results/`` named by machine and date.
 
-    gradsync bench                      # full run, 3-6 minutes on 2 CPU cores
+    gradsync bench                      # full run, about 8 minutes on 2 idle CPU cores
     gradsync bench --quick --out /tmp/b # tiny sizes, about a minute: a smoke test, not a measurement
 """
 from __future__ import annotations
@@ -199,7 +199,7 @@ def main(argv=None) -> dict:
     torch.set_num_threads(1)  # each forked rank uses one intra-op thread
     start = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - start:4.0f} s] {msg}", flush=True)  # noqa: E731
-    expected = "about a minute" if args.quick else "3-6 minutes"
+    expected = "about a minute" if args.quick else "about 8 minutes (idle)"
     log(f"gradsync bench: {args.world} gloo ranks on {info['cpu']} ({info['cores']} cores), engines: "
         f"{', '.join(names)}; takes {expected} on 2 CPU cores")
     record = {"machine": info, "world": args.world, "quick": args.quick, "engines": names,
