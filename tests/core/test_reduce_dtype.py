@@ -150,6 +150,7 @@ def construct(rank, world_size, dtype, reduce_dtype):
     (torch.bfloat16, "float32", TypeError, "floating-point"),
     (torch.float32, torch.bfloat16, ValueError, "torch.float32 parameters"),
     (torch.float16, torch.bfloat16, ValueError, "torch.float16"),
+    (torch.complex64, torch.float32, ValueError, "real floating-point parameters, and the model has torch.complex64"),
 ])
 def test_reduce_dtype_is_validated(dtype, reduce_dtype, error, match):
     with pytest.raises(Exception, match=f"{error.__name__}: gradsync: .*{match}"):

@@ -27,6 +27,11 @@ def resolve_reduce_dtype(reduce_dtype: Any, params: Sequence[torch.Tensor]) -> t
     if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
         raise TypeError(f"gradsync: reduce_dtype must be a floating-point torch.dtype such as torch.float32, "
                         f"got {reduce_dtype!r}")
+    complex_ = sorted({str(p.dtype) for p in params if p.is_complex()})
+    if complex_:
+        raise ValueError(f"gradsync: reduce_dtype applies to real floating-point parameters, and the model has "
+                         f"{', '.join(complex_)} parameters; their gradients reduce in their own dtype: pass "
+                         "reduce_dtype=None")
     narrower = sorted({str(p.dtype) for p in params if torch.promote_types(p.dtype, reduce_dtype) != reduce_dtype})
     if narrower:
         raise ValueError(f"gradsync: reduce_dtype={reduce_dtype} cannot hold the gradients of {', '.join(narrower)} "
