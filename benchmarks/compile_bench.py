@@ -29,7 +29,7 @@ from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine, 
 from gradsync.tools.bench.report import overlap
 from gradsync.tools.bench.run import machine_info
 from gradsync.tools.launch import run_ranks
-from paired import RESULTS, paired, time_variants
+from paired import RESULTS, describe, paired, time_variants
 MODELS = [ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64),
           ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32)]
 KW = dict(view=False, set_to_none=True, lr=1e-3)
@@ -137,16 +137,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def report(record: dict) -> str:
-    m = record["machine"]
     lines = [
         "# torch.compile: gradsync + compile against torch's DDP + compile",
         "",
-        f"{record['world']} gloo ranks on {m['cpu']} ({m['cores']} cores), torch {record['torch']}, backend "
-        f"{record['backend']}, whole wrapper compiled, 25 MiB buckets (timings); "
-        f"{record['reps']} timed windows per "
-        f"variant after {record['warmup']} warm-up, variants alternating; load average "
-        f"{record['load_before'][0]:.1f} before, {record['load_after'][0]:.1f} after. Ratios: median over "
-        "rounds of the paired window times.",
+        describe(record, f", backend {record['backend']}, whole wrapper compiled, 25 MiB buckets (timings)")
+        + " Ratios: median over rounds of the paired window times.",
         "",
         "| model | accum | torch ms | torch+compile ms | gradsync ms | gradsync+compile ms | "
         "gradsync+compile / torch+compile | gradsync / torch (eager) |",

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine
-from paired import main as paired_main, paired, time_variants
+from paired import describe, main as paired_main, paired, time_variants
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,14 +63,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def report(record: dict) -> str:
-    m = record["machine"]
     lines = [
         "# Phase headers: cost per optimizer window",
         "",
-        f"{record['world']} gloo ranks on {m['cpu']} ({m['cores']} cores), torch {record['torch']}, "
-        f"{record['reps']} timed windows per variant after {record['warmup']} warm-up, variants "
-        f"alternating; load average {record['load_before'][0]:.1f} before, {record['load_after'][0]:.1f} after. "
-        "Cost = median over windows of (with headers - without), paired by round; noise = median "
+        describe(record) + " Cost = median over windows of (with headers - without), paired by round; noise = median "
         "difference between consecutive windows of the same variant.",
         "",
         "| model | accum | window, no headers (ms) | headers cost (ms) | ratio | noise (ms) | "

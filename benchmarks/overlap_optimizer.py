@@ -13,7 +13,7 @@ import torch
 
 import gradsync
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine
-from paired import main as paired_main, paired, time_variants
+from paired import describe, main as paired_main, paired, time_variants
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
           ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64)]
@@ -56,13 +56,10 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def report(record: dict) -> str:
-    m, rows = record["machine"], record["rows"]
+    rows = record["rows"]
     names = list(rows[0]["paired_ratio"])
     lines = ["# Optimizer overlapped with communication (AdamW)", "",
-             f"{record['world']} gloo ranks on {m['cpu']} ({m['cores']} cores), torch {record['torch']}, "
-             f"{record['reps']} timed windows per variant after {record['warmup']} warm-up, variants alternating; "
-             f"load average {record['load_before'][0]:.1f} before, {record['load_after'][0]:.1f} after. "
-             "Paired ratio = median over rounds of (variant / torch's DDP); noise = median difference between "
+             describe(record) + " Paired ratio = median over rounds of (variant / torch's DDP); noise = median difference between "
              "consecutive windows of torch's DDP.", "",
              "| model | accum | torch window (ms) | noise (ms) | " + " | ".join(names[1:]) + " |",
              "|---|---|---|---|" + "---|" * (len(names) - 1)]

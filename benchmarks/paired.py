@@ -55,6 +55,14 @@ def paired(times: dict[str, list[float]], base: str) -> dict:
             "raw": times}
 
 
+def describe(record: dict, setup: str = "") -> str:
+    """The sentence every report starts with: machine, torch, repetitions, load."""
+    m = record["machine"]
+    return (f"{record['world']} gloo ranks on {m['cpu']} ({m['cores']} cores), torch {record['torch']}{setup}, "
+            f"{record['reps']} timed windows per variant after {record['warmup']} warm-up, variants "
+            f"alternating; load average {record['load_before'][0]:.1f} before, {record['load_after'][0]:.1f} after.")
+
+
 def main(name: str, doc: str, models: list[ModelSpec], quick_models: list[ModelSpec], time_rank: Callable,
          summarize: Callable[[dict], dict], report: Callable[[dict], str], argv: list[str] | None = None,
          reps: int = 21) -> dict:
