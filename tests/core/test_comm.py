@@ -233,3 +233,61 @@ def test_which_hooks_may_overlap_their_buckets():
     mine = lambda state, bucket: default_hooks.allreduce_hook(state, bucket)  # noqa: E731
     assert not issues_one_collective(mine) and not issues_one_collective(powerSGD.powerSGD_hook)
     assert issues_one_collective(one_collective(mine))
+
+
+def compressed_side_by_side(rank, world_size, view):
+    """gradsync's bf16_compress_hook and torch's (torch's DDP refuses bf16 hooks on CPU, so both run
+    in gradsync's DDP), same process group; 3 steps."""
+    from gradsync.core import comm
+
+    ours = gradsync.DDP(mlp(seed=0), gradient_as_bucket_view=view, **SMALL_BUCKETS)
+    ours.register_comm_hook(None, gradsync.bf16_compress_hook)
+    theirs = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
+    theirs.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    data = batches(3, world_size)
+    pools = []
+    for j in range(3):
+        got = rank_steps(ours, rank, world_size, data[j:j + 1])[0]
+        want = rank_steps(theirs, rank, world_size, data[j:j + 1])[0]
+        for name in want:
+            assert torch.equal(got[name], want[name]), (j, name)
+        pools.append({t.data_ptr() for t in comm._wire.free})
+    return pools
+
+
+@pytest.mark.parametrize("world_size,view", [(2, False), (3, True)])
+def test_bf16_compress_hook_matches_torchs_and_reuses_its_wire_buffers(world_size, view):
+    """Bit-identical to torch's hook (3 ranks: division after rounding, as torch); the bf16 buffers
+    of one backward are the next backward's (fresh ones would cost page faults every step)."""
+    for pools in run_ranks(compressed_side_by_side, world_size, view):
+        assert pools[0] and pools[0] == pools[1] == pools[2]
+
+
+def wire_exact(rank, world_size):
+    """bf16_wire_hook against its definition: round each rank's gradient to bf16, average in fp32
+    (rank order), round the average to bf16. Returns the wire buffers seen after each step."""
+    from gradsync.core import comm
+
+    model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
+    model.register_comm_hook(None, gradsync.bf16_wire_hook)
+    plain = mlp(seed=0)
+    pools = []
+    for x, y in batches(2, world_size):
+        got = rank_steps(model, rank, world_size, [(x, y)])[0]
+        plain.zero_grad()
+        F.mse_loss(plain(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        for name, p in plain.named_parameters():
+            parts = [torch.empty_like(p.grad) for _ in range(world_size)]
+            dist.all_gather(parts, p.grad)
+            total = parts[0].to(torch.bfloat16).float()
+            for part in parts[1:]:
+                total += part.to(torch.bfloat16).float()
+            assert torch.equal(got[name], (total / world_size).to(torch.bfloat16).float()), name
+        pools.append({t.data_ptr() for t in comm._wire.free})
+    return pools
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_wire_hook_is_exactly_its_definition(world_size):
+    for pools in run_ranks(wire_exact, world_size):
+        assert pools[0] and pools[0] == pools[1]

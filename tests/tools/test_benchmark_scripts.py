@@ -1,5 +1,6 @@
 """The stand-alone benchmark scripts still run (tiny sizes; nothing timed, nothing asserted on speed)."""
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -71,3 +72,13 @@ def test_overlap_optimizer_quick_run(tmp_path):
 def test_compile_bench_quick_run(tmp_path):
     report = run_script("compile_bench", tmp_path)
     assert report.count("| gpt-tiny | 1 |") == 1 and "| mlp-tiny | 25 | gradsync+compile |" in report
+
+
+def test_scaling_quick_run(tmp_path):
+    report = run_script("scaling", tmp_path)
+    record = json.loads((tmp_path / "scaling.json").read_text())
+    assert [r["world"] for r in record["rows"]] == [1, 2, 4] and report.count("| mlp-tiny | 4 |") == 2
+    one, two = record["rows"][0]["sent_per_rank"], record["rows"][1]["sent_per_rank"]
+    assert all(v == 0 for v in one.values())  # one rank sends nothing
+    for hook in ("gradsync bf16_compress_hook", "gradsync bf16_wire_hook"):  # bf16 on the wire
+        assert 0 < two[hook] < two["gradsync"]

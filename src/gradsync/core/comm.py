@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .pool import BufferPool
+
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
 
 # torch 2.13 renamed the *_tensor collectives; older releases (>= 2.4) only have the old names
@@ -74,15 +76,22 @@ def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) 
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
+# Wire buffers of the compressing hooks, kept between backwards: a fresh multi-MB CPU tensor
+# costs page faults on first touch, which made a bf16 hook slower than sending fp32.
+_wire = BufferPool(limit=8)
+
+
 def _compress_hook(dtype: torch.dtype):
     def hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
         group = _group(process_group)
         buffer = bucket.buffer()
-        compressed = buffer.to(dtype).div_(group.size())
+        compressed = _wire.take(buffer.numel(), dtype, buffer.device)
+        compressed.copy_(buffer.view(-1)).div_(group.size())  # round, then divide: as torch's hook
         fut = dist.all_reduce(compressed, group=group, async_op=True).get_future()
 
         def decompress(fut: torch.futures.Future) -> torch.Tensor:
-            buffer.copy_(fut.value()[0])
+            buffer.view(-1).copy_(fut.value()[0])
+            _wire.give(compressed)
             return buffer
 
         return fut.then(decompress)
@@ -100,6 +109,42 @@ bf16_compress_hook.__doc__ = (
 )
 
 
+def exchanges(device: torch.device) -> bool:
+    """Whether collectives on ``device`` use all-to-all and broadcasts instead of the named ones.
+
+    On CPU (gloo, torch 2.13) ``reduce_scatter_single`` clones its input and all-reduces the whole
+    buffer, and ``all_gather_single`` copies through a staging buffer; an all-to-all and one
+    broadcast per owner move the same bytes faster (``benchmarks/results/gloo_collectives.md``).
+    """
+    return device.type == "cpu"
+
+
+def start_all_gather(flat: torch.Tensor, shard_numel: int, rank: int, group: Any, exchange: bool) -> list[Any]:
+    """Start filling ``flat`` from every rank's shard of it (this rank's is in place); return the works."""
+    if not exchange:
+        own = flat[rank * shard_numel:(rank + 1) * shard_numel]
+        return [all_gather(flat, own, group=group, async_op=True)]
+    return [dist.broadcast(chunk, src=dist.get_global_rank(group, j), group=group, async_op=True)
+            for j, chunk in enumerate(flat.split(shard_numel))]
+
+
+def _average_into(copies: torch.Tensor, wide: torch.dtype, out: torch.Tensor, chunk: int = 1 << 20) -> None:
+    """Write the mean of ``copies``' rows into ``out``, summed in ``wide``, a chunk at a time.
+
+    Each row is widened by a copy first: an add that mixes bf16 and fp32 is 3-5x slower on CPU.
+    """
+    n = out.numel()
+    acc = torch.empty(min(chunk, n), dtype=wide, device=out.device)
+    row = torch.empty_like(acc)
+    for start in range(0, n, chunk):
+        end = min(start + chunk, n)
+        a, r = acc[:end - start], row[:end - start]
+        a.copy_(copies[0, start:end])
+        for j in range(1, copies.shape[0]):
+            a.add_(r.copy_(copies[j, start:end]))
+        out[start:end].copy_(a.div_(copies.shape[0]))
+
+
 def bf16_wire_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> torch.futures.Future:
     """Send bfloat16 (half the bytes) but sum in fp32: an all-to-all of bf16 shards, a local fp32
     sum and division of this rank's shard, then an all-gather of the bf16 average.
@@ -109,21 +154,24 @@ def bf16_wire_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) 
     all-gather from the all-to-all's callback, so buckets reduce one after another.
     """
     group = _group(process_group)
-    world_size = group.size()
+    world_size, rank = group.size(), group.rank()
     buffer = bucket.buffer()
     n = buffer.numel()
     shard = -(-n // world_size)
-    send = torch.zeros(shard * world_size, dtype=torch.bfloat16, device=buffer.device)
+    send = _wire.take(shard * world_size, torch.bfloat16, buffer.device)
     send[:n].copy_(buffer.reshape(-1))
-    recv = torch.empty_like(send)
+    send[n:].zero_()
+    recv = _wire.take(send.numel(), torch.bfloat16, buffer.device)
     fut = dist.all_to_all_single(recv, send, group=group, async_op=True).get_future()
 
     def gather(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # raises if the all-to-all failed
         wide = torch.promote_types(buffer.dtype, torch.float32)
-        mine = recv.view(world_size, shard).to(wide).sum(0).div_(world_size).to(torch.bfloat16)
-        all_gather(send, mine, group=group, async_op=True).wait()
-        buffer.copy_(send[:n].view(buffer.shape))
+        _average_into(recv.view(world_size, shard), wide, send[rank * shard:(rank + 1) * shard])
+        for work in start_all_gather(send, shard, rank, group, exchanges(buffer.device)):
+            work.wait()
+        buffer.view(-1).copy_(send[:n])
+        _wire.give(send, recv)
         return buffer
 
     return fut.then(gather)

@@ -17,12 +17,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..core.comm import all_gather, reduce_scatter
+from ..core.comm import exchanges, reduce_scatter, start_all_gather
+from ..core.pool import BufferPool
 
-
-def exchanges(device: torch.device) -> bool:
-    """Whether buckets on ``device`` use all-to-all and broadcasts instead of the named collectives."""
-    return device.type == "cpu"
+__all__ = ["BufferPool", "exchanges", "fold", "start_all_gather", "start_reduce_scatter"]
 
 
 def start_reduce_scatter(buffer: torch.Tensor, out: torch.Tensor, world_size: int, group: Any,
@@ -57,43 +55,3 @@ def fold(shard: torch.Tensor, out: torch.Tensor, world_size: int, exchange: bool
     total.div_(world_size)
     if total is not shard:
         shard.add_(total)
-
-
-def start_all_gather(flat: torch.Tensor, shard_numel: int, rank: int, group: Any, exchange: bool) -> list[Any]:
-    """Start filling ``flat`` from every rank's shard of it (this rank's is in place); return the works."""
-    if not exchange:
-        own = flat[rank * shard_numel:(rank + 1) * shard_numel]
-        return [all_gather(flat, own, group=group, async_op=True)]
-    return [dist.broadcast(chunk, src=dist.get_global_rank(group, j), group=group, async_op=True)
-            for j, chunk in enumerate(flat.split(shard_numel))]
-
-
-class BufferPool:
-    """Flat buffers released by finished buckets, reused by the next ones (best fit, a view).
-
-    A fresh multi-MB CPU tensor costs page faults on first touch: measured, allocating and
-    filling two 25 MB buffers took 1.8x as long as filling two reused ones. The pool keeps at most
-    ``limit`` buffers, so it never holds more than the staging peak it saw.
-    """
-
-    def __init__(self, limit: int):
-        self.limit = limit
-        self.free: list[torch.Tensor] = []
-
-    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        fits = [k for k, t in enumerate(self.free)
-                if t.dtype == dtype and t.device == device and numel <= t.numel() <= 2 * numel]
-        if not fits:
-            return torch.empty(numel, dtype=dtype, device=device)
-        return self.free.pop(min(fits, key=lambda k: self.free[k].numel()))[:numel]
-
-    def give(self, *tensors: torch.Tensor | None) -> None:
-        for t in tensors:
-            if t is not None and t.device.type == "cpu":  # the GPU has a caching allocator
-                self.free.append(t._base if t._base is not None else t)
-        self.free.sort(key=torch.Tensor.numel)
-        del self.free[:max(0, len(self.free) - self.limit)]  # keep the biggest
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.free)

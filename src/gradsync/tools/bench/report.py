@@ -130,11 +130,13 @@ def write(record: dict, out_dir: str, stem: str) -> str:
     md = [f"# gradsync bench, {record['date']}", "",
           f"{w} gloo ranks (1 thread each) on {m['cpu']}, {m['cores']} cores; torch {m['torch']}, "
           f"Python {m['python']}. Load average before/after: {m['load_before'][0]:.2f} / "
-          f"{m['load_after'][0]:.2f} (the CPU may be shared with other work: compare ratios, not "
-          f"absolute times). Engines alternate window by window on identical model copies, data and "
+          f"{m['load_after'][0]:.2f} (after includes this run's own ranks; the CPU may be shared with "
+          f"other work: compare ratios, not absolute times). Engines alternate window by window on identical model copies, data and "
           f"bucket caps ({record['bucket_cap_mb']:g} MB, first bucket 1 MB); {record.get('optimizer', 'SGD')}; "
           f"{record['warmup']} "
-          f"warm-up + {record['reps']} timed windows each; a window is `accum` micro-steps "
+          f"warm-up + {record['reps']} timed windows each"
+          + ("; denormal floats flushed to zero" if record.get("flush_denormal") else "") +
+          "; a window is `accum` micro-steps "
           "(`no_sync` on all but the last) plus the optimizer step; time = max over ranks. "
           f"Total run: {record['seconds']:.0f} s.", ""]
     if record["models"]:
