@@ -101,3 +101,30 @@ def test_a_slow_rank_is_not_an_error(buffers):
 def test_a_three_minute_pause_is_not_an_error():
     """Run with ``make test-slow``: rank 0 pauses 3 minutes between steps, default arguments."""
     check_pause(True, pause=180)
+
+
+def item_windows(rank, world_size, buffers):
+    """``GradientAccumulator`` in num_items mode, rank ODD planning longer windows than the others."""
+    import torch.nn.functional as F
+
+    model = gradsync.DDP(Normed() if buffers else mlp())
+    acc = gradsync.GradientAccumulator(model, steps=3 if rank == ODD else 2)
+
+    def train():
+        for x, y in batches(6, world_size):
+            with acc.accumulate():
+                xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+                acc.backward(F.mse_loss(model(xs), ys, reduction="sum"), num_items=len(xs))
+    return outcome(train)
+
+
+@pytest.mark.parametrize("buffers", [False, True], ids=["no_buffers", "buffers"])
+def test_num_items_windows_that_disagree_are_detected(buffers):
+    """The window's item count rides in the backward's phase header: no collective of its own that
+    a rank closing its window could pair with another rank's forward broadcast or header."""
+    results = run_ranks(item_windows, 2, buffers, timeout=BOUND + 60, pg_timeout=None, return_errors=True)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, RankError), result  # a rank killed by the harness: a hang
+        kind, message, seconds = result
+        assert kind == "SyncError" and "the ranks are out of step" in message, (rank, kind, message)
+        assert seconds < BOUND, (rank, seconds)

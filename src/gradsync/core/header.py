@@ -4,11 +4,15 @@ gloo pairs the k-th collective of one rank with the k-th of every other rank, an
 collectives of different kinds (a buffer broadcast and a bucket all-reduce) never complete:
 both ranks would wait for the process group's timeout, 30 minutes by default. So each phase
 (the buffer broadcast of a training forward, a synced backward) first all-reduces a header of
-the same shape on every rank: one row per rank, ``[kind, forward count, backward count]``,
-each rank writing only its own row. Whatever phase each rank is in, the headers pair with each
+the same shape on every rank: one row per rank, ``[kind, forward count, backward count,
+payload]``, each rank writing only its own row. Whatever phase each rank is in, the headers pair with each
 other, every rank learns what every other rank is doing, and all raise the same diagnosis
 before issuing anything that could not pair. A rank that is merely slow is not an error: the
 others wait in the header for the usual bound.
+
+The payload carries a float64 per rank at no extra collective (``GradientAccumulator``'s item
+count for the window). Its bits travel as an int64: only its own rank writes a row and the other
+ranks add zeros, so the value arrives exactly.
 """
 from __future__ import annotations
 
@@ -22,12 +26,18 @@ FORWARD, BACKWARD = 1, 2  # a joined rank shadowing the others writes a row of z
 
 
 def header_tensor(rank: int, world_size: int, kind: int, forward_count: int, backward_count: int,
-                  device: torch.device | None = None) -> torch.Tensor:
+                  device: torch.device | None = None, payload: float = 0.0) -> torch.Tensor:
     """Return this rank's header; ``kind=0`` for a rank that takes part without a phase of its own."""
-    header = torch.zeros(world_size, 3, dtype=torch.int64)
+    header = torch.zeros(world_size, 4, dtype=torch.int64)
     if kind:
-        header[rank] = torch.tensor([kind, forward_count, backward_count])
+        bits = torch.tensor([payload], dtype=torch.float64).view(torch.int64)
+        header[rank] = torch.cat([torch.tensor([kind, forward_count, backward_count]), bits])
     return header.to(device) if device is not None else header
+
+
+def payloads(header: torch.Tensor) -> list[float]:
+    """Return each rank's payload from a reduced header (0.0 for a joined rank)."""
+    return header[:, 3].cpu().contiguous().view(torch.float64).tolist()
 
 
 def describe(row: Sequence[int]) -> str:
@@ -41,7 +51,7 @@ def describe(row: Sequence[int]) -> str:
 
 def check_header(header: torch.Tensor, *, rank: int, active: Sequence[int]) -> None:
     """Raise on every rank unless the active ranks are in the same phase and no other rank is."""
-    rows = [tuple(r) for r in header.cpu().tolist()]
+    rows = [tuple(r[:3]) for r in header.cpu().tolist()]  # the payload may differ
     idle = [r for r in range(len(rows)) if r not in active]
     if len({rows[r] for r in active}) == 1 and rows[active[0]][0] in (FORWARD, BACKWARD) \
             and not any(any(rows[r]) for r in idle):

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .comm import GradBucket, issues_one_collective
 from .control import SyncError, bounded_wait
-from .header import check_header, header_tensor
+from .header import check_header, header_tensor, payloads
 from .storage import Bucket
 
 
@@ -23,12 +23,18 @@ class BucketLauncher:
     _header: torch.Tensor | None = None
     _header_work: Any = None
     phase_headers = True  # False only to measure what they cost (benchmarks/header_cost.py)
+    # Set before a synced backward to send a float in that backward's header (consumed by the
+    # launch); afterwards ``header_payloads`` holds every rank's, and None when no header ran.
+    header_payload: float | None = None
+    header_payloads: list[float] | None = None
 
     def launch_header(self, kind: int) -> None:
         """Start this phase's header all-reduce (``header.py``); ``kind=0`` shadows as a joined rank."""
+        payload, self.header_payload = self.header_payload or 0.0, None
+        self.header_payloads = None
         if self.world_size > 1 and self.phase_headers:
             self._header = header_tensor(self.rank, self.world_size, kind, self.forward_count,
-                                         self.backward_count, self.device)
+                                         self.backward_count, self.device, payload)
             self._header_work = dist.all_reduce(self._header, group=self.group, async_op=True)
 
     def check_header(self) -> None:
@@ -39,6 +45,7 @@ class BucketLauncher:
         self.wait(work, "the phase header")  # a slow rank is fine: this waits the usual bound
         active = self.active_ranks if self.active_ranks is not None else range(self.world_size)
         check_header(self._header, rank=self.rank, active=list(active))
+        self.header_payloads = payloads(self._header)
 
     def exchange_header(self, kind: int) -> None:
         """Run a header to completion before a phase whose first collective must pair (a broadcast)."""
