@@ -219,7 +219,7 @@ def report(record: dict) -> str:
     lines = [f"# Sharded training side by side ({record['world']} gloo ranks, AdamW)", "",
              f"Machine: {record['machine']['cpu']} ({record['machine']['cores']} cores), torch {record['torch']}; "
              f"load average before {record['load_before'][0]:.1f}, after {record['load_after'][0]:.1f} "
-             f"(other work shared the cores). {record['reps']} paired rounds per row, {record['runs']} runs.", "",
+             f"(the benchmark's own ranks included). {record['reps']} paired rounds per row, {record['runs']} runs.", "",
              "Paired ratio to torch's DDP (median over rounds; IQR in brackets), and median window time:", "",
              "| model | accum | run | noise | " + " | ".join(names) + " |",
              "|---|---|---|---|" + "---|" * len(names)]
