@@ -260,3 +260,26 @@ def converted_after_wrapping(rank, world_size, how):
 @pytest.mark.parametrize("how", ["double", "half", "meta"])
 def test_parameters_converted_after_wrapping_raise_at_the_next_forward(how):
     run_ranks(converted_after_wrapping, 2, how, timeout=60)
+
+
+def mixed_broadcast(rank, world_size, chunk_bytes):
+    """``broadcast_coalesced`` over tensors of six dtypes, one non-contiguous, one 0-d, one empty."""
+    from gradsync.core.construct import broadcast_coalesced
+
+    g = torch.Generator().manual_seed(rank)  # every rank starts from different values
+    tensors = [torch.randn(5, 3, generator=g), torch.randn(4, 6, generator=g).t(),
+               torch.tensor(7 + rank, dtype=torch.int64), torch.rand(9, generator=g) > 0.5,
+               torch.randn(3, generator=g, dtype=torch.float64), torch.randn(6, generator=g).bfloat16(),
+               torch.empty(0), torch.randn(2, generator=g, dtype=torch.complex64)]
+    works = []
+    broadcast_coalesced(tensors, dist.group.WORLD, lambda w: (works.append(w), w.wait()), 0, chunk_bytes)
+    return tensors, len(works)
+
+
+@pytest.mark.parametrize("chunk_bytes,broadcasts", [(25 << 20, 1), (40, 5)])
+def test_buffers_of_every_dtype_take_one_broadcast_per_chunk(chunk_bytes, broadcasts):
+    """Packed as bytes, BatchNorm's float and int64 buffers cost one round trip per forward, not two."""
+    (src, n0), (got, n1) = run_ranks(mixed_broadcast, 2, chunk_bytes)
+    assert n0 == n1 == broadcasts
+    for a, b in zip(src, got):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
