@@ -4,7 +4,7 @@
     python benchmarks/header_cost.py --reps 5 --out /tmp   # a quick look
 
 gradsync's DDP with headers, the same model with ``reducer.phase_headers = False`` and torch's
-DDP take turns window by window (the order rotates), on identical copies of each model. A synced
+DDP, all three with gradient views, take turns window by window (the order rotates), on identical copies of each model. A synced
 backward costs one header (a 3W int64 all-reduce, waited before the first bucket launches), a
 training forward of a model with buffers one more (waited before the buffer broadcast). The
 difference of the paired windows is the headers' cost; torch's DDP is the yardstick.
@@ -44,7 +44,7 @@ def variants(kw: dict) -> dict:
 
 
 def time_rank(rank, world, spec, accum, warmup, reps) -> dict:
-    kw = dict(bucket_cap_mb=25.0, view=False, set_to_none=True, lr=1e-3)
+    kw = dict(bucket_cap_mb=25.0, view=True, set_to_none=True, lr=1e-3)  # views: docs/choosing.md's setting, torch's too
     return time_variants(rank, world, spec, variants(kw), accum, warmup, reps)
 
 
@@ -66,7 +66,7 @@ def report(record: dict) -> str:
     lines = [
         "# Phase headers: cost per optimizer window",
         "",
-        describe(record) + " Cost = median over windows of (with headers - without), paired by round; noise = median "
+        describe(record, ", gradient views on (gradsync and torch)") + " Cost = median over windows of (with headers - without), paired by round; noise = median "
         "difference between consecutive windows of the same variant.",
         "",
         "| model | accum | window, no headers (ms) | headers cost (ms) | ratio | noise (ms) | "
