@@ -5,7 +5,7 @@
 
 Both wrappers get identical copies of each model, the same data and bucket caps (25 MiB) and are
 compiled whole, ``torch.compile(wrapper)``; eager gradsync and eager torch run alongside. The four
-take turns window by window (the order rotates); a ratio is the median over rounds of the paired
+take turns window by window (the order is shuffled each round); a ratio is the median over rounds of the paired
 window times. Overlap, on separate copies with synced steps (also with a bucket per MLP layer):
 the share of bucket communication that ran before the backward's last bucket was ready
 (gradsync's comm trace; for torch, its all-reduce hook wrapped to record the same times), and

@@ -4,7 +4,7 @@
     python benchmarks/header_cost.py --reps 5 --out /tmp   # a quick look
 
 gradsync's DDP with headers, the same model with ``reducer.phase_headers = False`` and torch's
-DDP, all three with gradient views, take turns window by window (the order rotates), on identical copies of each model. A synced
+DDP, all three with gradient views, take turns window by window (the order is shuffled each round), on identical copies of each model. A synced
 backward costs one header (a 3W int64 all-reduce, waited before the first bucket launches), a
 training forward of a model with buffers one more (waited before the buffer broadcast). The
 difference of the paired windows is the headers' cost; torch's DDP is the yardstick.

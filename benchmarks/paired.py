@@ -1,7 +1,7 @@
 """Paired timing shared by the benchmark scripts: variants take turns window by window.
 
-Each variant wraps its own deep copy of one model; the order rotates every round, so load
-drifting during the run hits every variant alike. A window's time is the maximum over ranks.
+Each variant wraps its own deep copy of one model; the order is shuffled every round
+(``measure.round_order``), so load drifting during the run hits every variant alike. A window's time is the maximum over ranks.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.tools.bench.measure import _reduce, _window
+from gradsync.tools.bench.measure import _reduce, _window, round_order
 from gradsync.tools.bench.models import Engine, ModelSpec
 from gradsync.tools.bench.run import machine_info
 from gradsync.tools.launch import run_ranks
@@ -34,8 +34,7 @@ def time_variants(rank: int, world: int, spec: ModelSpec, variants: dict[str, Ca
     names = list(engines)
     times: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(warmup + reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
+        for name in round_order(names, rep):
             dist.barrier()
             start = time.perf_counter()
             _window(engines[name], spec, rank, rep, accum)

@@ -1,7 +1,7 @@
 """Sharded training side by side: gradsync's ShardedDataParallel against torch's DDP, ZeRO and FSDP2.
 
 Same model, data and AdamW for every engine; engines take turns window by window (the order
-rotates each round) and ratios to torch's DDP are paired round by round. Memory: peak RSS per
+is shuffled each round) and ratios to torch's DDP are paired round by round. Memory: peak RSS per
 rank over steady-state steps, each engine alone in fresh processes (as ``measure.memory_rank``).
 
     python benchmarks/sharded_speed.py [--reps 11] [--quick]   # -> results/sharded_speed.{json,md}
@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from gradsync.tools.bench.measure import _mmap_large_allocations, reset_peak_rss, status_kib
+from gradsync.tools.bench.measure import _mmap_large_allocations, reset_peak_rss, round_order, status_kib
 from gradsync.tools.bench.models import ModelSpec, loss_fn
 from gradsync.tools.bench.run import machine_info
 from gradsync.tools.launch import run_ranks
@@ -169,8 +169,7 @@ def time_rank(rank, world, spec, names, accum, warmup, reps) -> dict:
     order = list(engines)
     times = {n: [] for n in order}
     for rep in range(warmup + reps):
-        shift = rep % len(order)
-        for name in order[shift:] + order[:shift]:
+        for name in round_order(order, rep):
             dist.barrier()
             start = time.perf_counter()
             _window(engines[name], spec, rank, rep + 1, accum)

@@ -121,3 +121,14 @@ def test_breakdown_attributes_each_engines_passes(engine, view):
     assert found.get("bucket copy-in") == 4, found  # one divided copy per parameter
     assert "division" not in found, found  # folded into the copy by both engines
     assert found.get("write-back", 0) == (0 if view else 4), found
+
+
+def test_round_order_varies_each_engines_predecessor():
+    """Rounds are permutations, equal on every rank (a function of the round), and unlike a
+    rotation no engine always follows the same neighbour."""
+    names = ["gradsync", "torch", "torch-views", "naive", "gradsync-bf16", "gradsync-sharded"]
+    rounds = [bench_measure.round_order(names, rep) for rep in range(13)]
+    assert all(sorted(r) == sorted(names) for r in rounds)
+    assert rounds == [bench_measure.round_order(names, rep) for rep in range(13)]
+    before = {n: {r[r.index(n) - 1] for r in rounds if r.index(n)} for n in names}
+    assert all(len(p) >= 3 for p in before.values()), before

@@ -11,6 +11,7 @@ import ctypes
 import gc
 import os
 import pstats
+import random
 import sys
 import time
 from collections import defaultdict
@@ -48,6 +49,16 @@ def _reduce(values: list[float], op) -> list[float]:
     return t.tolist()
 
 
+def round_order(names: list[str], rep: int) -> list[str]:
+    """The order of round ``rep``: shuffled, the same on every rank (seeded by the round).
+
+    Not a rotation: with one, every engine always follows the same neighbour, and what a window
+    leaves behind (freed memory to fault in again, gloo threads still winding down) is charged to
+    the engine after it, the same one every round.
+    """
+    return random.Random(rep).sample(names, len(names))
+
+
 def time_engines(rank, world, spec, names, accum, warmup, reps, cap) -> dict:
     """Alternate the engines window by window; return each one's wall time (max over ranks) and
     CPU time (this process and its gloo threads, summed over ranks) per window."""
@@ -55,8 +66,7 @@ def time_engines(rank, world, spec, names, accum, warmup, reps, cap) -> dict:
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(warmup + reps):
-        shift = rep % len(names)  # rotate the order so no engine always runs first
-        for name in names[shift:] + names[:shift]:
+        for name in round_order(names, rep):
             dist.barrier()
             start, cpu_start = time.perf_counter(), time.process_time()
             _window(engines[name], spec, rank, rep, accum)

@@ -131,7 +131,9 @@ def write(record: dict, out_dir: str, stem: str) -> str:
           f"{w} gloo ranks (1 thread each) on {m['cpu']}, {m['cores']} cores; torch {m['torch']}, "
           f"Python {m['python']}. Load average before/after: {m['load_before'][0]:.2f} / "
           f"{m['load_after'][0]:.2f} (after includes this run's own ranks; the CPU may be shared with "
-          f"other work: compare ratios, not absolute times). Engines alternate window by window on identical model copies, data and "
+          f"other work: compare ratios, not absolute times). Engines alternate window by window"
+          + (" (in a new shuffled order each round)" if record.get("order") == "shuffled" else "") +
+          " on identical model copies, data and "
           f"bucket caps ({record['bucket_cap_mb']:g} MB, first bucket 1 MB); {record.get('optimizer', 'SGD')}; "
           f"{record['warmup']} "
           f"warm-up + {record['reps']} timed windows each"

@@ -205,7 +205,8 @@ def main(argv=None) -> dict:
     record = {"machine": info, "world": args.world, "quick": args.quick, "engines": names,
               "date": time.strftime("%Y-%m-%d %H:%M"), "bucket_cap_mb": plan.bucket_cap_mb,
               "warmup": plan.warmup, "reps": plan.reps, "optimizer": "AdamW",
-              "flush_denormal": True}  # ModelSpec.build flushes them on every rank
+              "flush_denormal": True,  # ModelSpec.build flushes them on every rank
+              "order": "shuffled"}  # measure.round_order
     record["models"] = [] if "models" in skip else run_models(plan, args.world, names, log)
     if "overhead" not in skip:
         log("  per-parameter overhead: a model of many tiny parameters")
