@@ -144,12 +144,13 @@ class GradientAccumulator:
     def _backward_items(self, loss: torch.Tensor, count: torch.Tensor) -> None:
         self._items = count if self._items is None else self._items + count
         work, reducer = None, getattr(self.model, "reducer", None)
+        exchange = self._boundary and self._world_size > 1
         # gradsync's DDP carries the count in the synced backward's phase header: no collective
         # of its own that could pair with a different one on a rank that disagrees about the window
-        carried = self._boundary and self._world_size > 1 and getattr(reducer, "phase_headers", False)
+        carried = exchange and getattr(reducer, "phase_headers", False)
         if carried:
             reducer.header_payload = float(self._items)
-        elif self._boundary and self._world_size > 1:
+        elif exchange:
             # Launched before backward on every rank, so it overlaps the backward and pairs up
             # with the same collective on the other ranks ahead of the gradient buckets.
             work = dist.all_reduce(self._items, group=self._group, async_op=True)
@@ -158,13 +159,11 @@ class GradientAccumulator:
             return
         if work is not None:
             self._wait(work)
-        total = float(self._items)
-        if carried:
-            if reducer.header_payloads is None:
-                raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
-                                   "parameter got one), so the item counts were not exchanged; every "
-                                   "window must end with a backward through the model")
-            total = sum(reducer.header_payloads)
+        if carried and reducer.header_payloads is None:
+            raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
+                               "parameter got one), so the item counts were not exchanged; every "
+                               "window must end with a backward through the model")
+        total = sum(reducer.header_payloads) if carried else float(self._items)
         if not total > 0:
             raise ValueError(f"gradsync: num_items summed to {total:g} over the window and all ranks; "
                              "there is nothing to average over (pass the number of items each loss sums)")
