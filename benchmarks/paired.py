@@ -64,18 +64,18 @@ def describe(record: dict, setup: str = "") -> str:
 
 def main(name: str, doc: str, models: list[ModelSpec], quick_models: list[ModelSpec], time_rank: Callable,
          summarize: Callable[[dict], dict], report: Callable[[dict], str], argv: list[str] | None = None,
-         reps: int = 21) -> dict:
+         reps: int = 21, warmup: int = 3, quick_warmup: int = 1) -> dict:
     """The scripts' command line: time ``models`` x accumulations, write results/<name>.{json,md}."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--reps", type=int, default=reps)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--accum", type=int, nargs="+", default=[1, 4])
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="tiny models, 1 window: a smoke test, not a measurement")
     args = p.parse_args(argv)
     if args.quick:
-        args.reps, args.warmup, models = 1, 1, quick_models
+        args.reps, args.warmup, models = 1, quick_warmup, quick_models
     rows, load_before = [], os.getloadavg()
     for spec in models:
         for accum in args.accum:

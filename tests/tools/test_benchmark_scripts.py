@@ -69,6 +69,14 @@ def test_overlap_optimizer_quick_run(tmp_path):
     assert "gradsync views + overlap" in report and report.count("| gpt-tiny | 1 |") == 1
 
 
+def test_auto_cap_quick_run(tmp_path):
+    report = run_script("auto_cap", tmp_path)
+    record = json.loads((tmp_path / "auto_cap.json").read_text())
+    choice = record["rows"][0]["choice"]
+    assert choice is not None and str(choice["bucket_cap_mb"]) in choice["predicted_ms"]  # JSON keys
+    assert report.count("| gpt-tiny | 1 |") == 1 and "gradsync auto" in report
+
+
 def test_compile_bench_quick_run(tmp_path):
     report = run_script("compile_bench", tmp_path)
     assert report.count("| gpt-tiny | 1 |") == 1 and "| mlp-tiny | 25 | gradsync+compile |" in report

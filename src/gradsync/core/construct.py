@@ -78,6 +78,21 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
     return sync, sync
 
 
+def resolve_auto_cap(bucket_cap_mb: Any, bucket_cap_mb_list: Any, reducer_class: type, wrapper: str) -> bool:
+    """Return whether ``bucket_cap_mb="auto"`` was asked for; raise on what cannot go with it."""
+    if not isinstance(bucket_cap_mb, str):
+        return False
+    if bucket_cap_mb != "auto":
+        raise ValueError(f"bucket_cap_mb must be a size in MiB or \"auto\", got {bucket_cap_mb!r}")
+    if bucket_cap_mb_list is not None:
+        raise ValueError("bucket_cap_mb=\"auto\" chooses one cap for every bucket; it cannot go with "
+                         "bucket_cap_mb_list. Pass one of them.")
+    if not reducer_class.replans_buckets:
+        raise ValueError(f"gradsync: {wrapper} lays its buckets out once, at construction, so it cannot "
+                         "choose the cap from measured backwards; pass bucket_cap_mb as a size in MiB")
+    return True
+
+
 def resolve_bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None,
                         first_bucket_cap_mb: float | None) -> tuple[float | tuple[float, ...], float]:
     """Return (``bucket_cap_mb`` for ``plan_buckets``, first bucket's cap) with torch's defaults.

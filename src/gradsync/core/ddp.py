@@ -20,7 +20,7 @@ from torch.distributed.utils import _to_kwargs
 from .comm import CommHook
 from .compile import active_ddp, bucket_bytes_caps, skip_wrapper_frames
 from .construct import (broadcast_coalesced, check_comm_hook, check_wrappable, claim,
-                        resolve_bucket_caps, resolve_buffer_sync, resolve_device_ids, resolve_group,
+                        resolve_auto_cap, resolve_bucket_caps, resolve_buffer_sync, resolve_device_ids, resolve_group,
                         resolve_timeout, verify_same_model)
 from .control import SyncError, bounded_wait
 from .delay import DelayedAllReduce
@@ -62,7 +62,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
                  broadcast_buffers: bool | None = None, init_sync: bool = True,
-                 process_group: dist.ProcessGroup | None = None, bucket_cap_mb: float | None = None,
+                 process_group: dist.ProcessGroup | None = None, bucket_cap_mb: float | str | None = None,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False,
                  delay_all_reduce_named_params: Sequence[tuple[str, nn.Parameter]] | None = None,
@@ -108,13 +108,16 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         self.device = trainable[0][1].device
         self.timeout = resolve_timeout(timeout, self.process_group, self.device)
         self.world_size = dist.get_world_size(self.process_group)
-        caps, first_cap = resolve_bucket_caps(bucket_cap_mb, bucket_cap_mb_list, first_bucket_cap_mb)
+        auto = resolve_auto_cap(bucket_cap_mb, bucket_cap_mb_list, self.reducer_class, type(self).__name__)
+        caps, first_cap = resolve_bucket_caps(None if auto else bucket_cap_mb, bucket_cap_mb_list,
+                                              first_bucket_cap_mb)
         self.bucket_bytes_cap, self._first_bucket_bytes_cap = bucket_bytes_caps(caps, first_cap)  # for Dynamo
         skip_wrapper_frames()
         self._reducer_options = dict(
             bucket_cap_mb=caps, first_bucket_cap_mb=first_cap, find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, timeout=self.timeout,
-            reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]))
+            reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]),
+            auto_bucket_cap=auto, auto_first_bucket_cap_mb=first_bucket_cap_mb)
         self._reduced_names = reduced
         self._delayed_names = list(delayed)
         self._delay_trigger = param_to_hook_all_reduce
@@ -280,6 +283,14 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
     @property
     def comm_trace(self) -> list[dict] | None:
         return self.reducer.trace
+
+    @property
+    def bucket_choice(self) -> dict | None:
+        """With ``bucket_cap_mb="auto"``: the chosen cap, the fitted link and each candidate's
+        predicted end of communication (this rank's trace; rank 0's cap holds). None before the
+        choice (made after the fourth synced backward) or without ``"auto"``."""
+        auto = self.reducer.auto_caps
+        return None if auto is None or auto.choice is None else auto.choice.as_dict()
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply every synchronized gradient by ``factor`` (used by the accumulator)."""

@@ -68,13 +68,17 @@ class SyncEnd:
 
         for bucket, result in zip(self.buckets, results or ()):
             self._write_back(bucket, result, counts)
-        if self._iter_trace is not None:
+        record = self._iter_trace
+        if record is not None:
             self._record_trace()
         self._window_used = [False] * n
         guard.mark_synced(self)
         self.sync_count += 1
-        if self._ready_order is not None:
+        replanned = self._ready_order is not None
+        if replanned:
             self._rebuild_buckets()
+        if self.auto_caps is not None and self.auto_caps.choice is None:
+            self.auto_caps.observe(self, record, replanned)
 
     def _write_back_as_reduced(self) -> None:
         """Write back each bucket as soon as it is reduced and hand it to ``bucket_reduced``.

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import guard
+from .autocap import AutoCaps
 from .buckets import plan_buckets
 from .comm import CommHook
 from .compile import in_compiled_autograd
@@ -42,6 +43,7 @@ class Reducer(SyncEnd, BucketStorage, BucketLauncher):
 
     wrapper_name = "DistributedDataParallel"  # named by the unsynchronized-step error
     _compiled_autograd = False  # the current backward runs under compiled autograd (compile.py)
+    replans_buckets = True  # False: buckets are fixed at construction (no re-plan, no "auto" cap)
 
     def __init__(
         self,
@@ -57,6 +59,8 @@ class Reducer(SyncEnd, BucketStorage, BucketLauncher):
         static_graph: bool = False,
         timeout: timedelta,
         reduce_dtype: torch.dtype | None = None,
+        auto_bucket_cap: bool = False,
+        auto_first_bucket_cap_mb: float | None = None,
     ):
         self.params = list(params)
         self.names = list(names)
@@ -78,6 +82,9 @@ class Reducer(SyncEnd, BucketStorage, BucketLauncher):
         self.check_finite = False  # check each reduced bucket for NaN/inf before writing back
         self.active_ranks: list[int] | None = None  # set per forward inside DDP.join(); None: all
         self.bucket_reduced: Callable[[list[int]], None] | None = None  # overlap_optimizer's per-bucket step
+        self.auto_caps = AutoCaps(auto_first_bucket_cap_mb) if auto_bucket_cap else None  # autocap.py
+        if self.auto_caps is not None:
+            self.auto_caps.start(self)
 
         n = len(self.params)
         self.backward_count = 0  # every backward, synced or not: the divergence check compares it
@@ -180,7 +187,7 @@ class Reducer(SyncEnd, BucketStorage, BucketLauncher):
             self._ready_order = []
         if self.trace is not None:
             self._iter_trace = {"iteration": self.sync_count, "backward_start": time.perf_counter(),
-                                "buckets": []}
+                                "buckets": [], "params": {}}
         if self.static_graph and self._static_counts is not None:
             unused = [i for i, c in enumerate(self._static_counts) if c == 0]
         elif self.find_unused_parameters:
@@ -213,6 +220,8 @@ class Reducer(SyncEnd, BucketStorage, BucketLauncher):
                 "same every iteration, or use torch.utils.checkpoint(..., use_reentrant=False)."
             )
         self._ready[i] = True
+        if self._iter_trace is not None:
+            self._iter_trace["params"][i] = time.perf_counter()
         self._copy_to_bucket(i)
         bucket = self.buckets[self._bucket_of[i]]
         bucket.pending -= 1

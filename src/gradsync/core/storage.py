@@ -179,10 +179,13 @@ class BucketStorage(MainGrad):
                  "bucket_order": None if order is None else [self.names[i] for i in order]}
         if self.reduce_dtype is not None:
             state["main_grads"] = self.main_grad_state()
+        if self.auto_caps is not None and self.auto_caps.choice is not None:
+            state["bucket_caps"] = [self.bucket_cap_mb, self.first_bucket_cap_mb]
         return state
 
     def load_grad_state(self, state: dict[str, Any]) -> None:
-        if not {"gradients", "bucket_order"} <= set(state) <= {"gradients", "bucket_order", "main_grads"}:
+        if not {"gradients", "bucket_order"} <= set(state) <= {"gradients", "bucket_order", "main_grads",
+                                                               "bucket_caps"}:
             raise KeyError("gradsync: expected a dict from model.grad_state_dict() with keys 'gradients' "
                            f"and 'bucket_order', got keys {sorted(state)[:5]}")
         grads, order = state["gradients"], state["bucket_order"]
@@ -196,6 +199,8 @@ class BucketStorage(MainGrad):
             if self.backward_count:
                 raise RuntimeError("gradsync: load_grad_state_dict() must come before the first backward")
             index = {name: i for i, name in enumerate(self.names)}
+            if "bucket_caps" in state and self.auto_caps is not None:  # the interrupted run's choice
+                self.auto_caps.resume(self, *state["bucket_caps"])
             self.load_plan_order([index[name] for name in order])
         for name, p in zip(self.names, self.params):
             p.grad = grads[name].detach().clone().to(p.device) if name in grads else None

@@ -49,6 +49,7 @@ class ShardedReducer(Reducer):
 
     wrapper_name = "ShardedDataParallel"
     divide_on_copy = False  # the fold (or, off CPU, the launch) divides
+    replans_buckets = False  # parameters live in bucket-shaped buffers laid out at construction
 
     # Reduce-scatters in flight at once (backward folds the oldest before launching another),
     # and a bound on staging memory (buckets being filled or reduced) that launches respect too:
