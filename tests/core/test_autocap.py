@@ -155,3 +155,26 @@ def test_bad_auto_settings_raise_clear_errors():
         assert len(errors) == 3
         assert "size in MiB or \"auto\"" in errors[0] and "bucket_cap_mb_list" in errors[1]
         assert "ShardedDataParallel" in errors[2] and "at construction" in errors[2]
+
+
+def uneven_auto(rank, world_size, counts):
+    model = gradsync.DDP(mlp(seed=rank), bucket_cap_mb="auto")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with model.join():
+        for x, y in batches(max(counts), world_size)[:counts[rank]]:
+            F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+            opt.step()
+            opt.zero_grad()
+    return params(model.module), model.bucket_choice, model.reducer.bucket_plan()
+
+
+@pytest.mark.parametrize("counts", [[6, 1], [2, 6], [6, 1, 3]])
+def test_ranks_that_joined_early_take_part_in_the_choice(counts):
+    """A joined rank shadows the measured backwards and the cap's broadcast (no hang, one layout)."""
+    from test_join import reference
+    results = run_ranks(uneven_auto, len(counts), counts, timeout=60)
+    want = reference(len(counts), counts, False)
+    for got, choice, plan in results:
+        assert_close_dicts(got, want, atol=1e-5)
+        assert choice is not None and choice["bucket_cap_mb"] == results[0][1]["bucket_cap_mb"]
+        assert plan == results[0][2]

@@ -143,6 +143,7 @@ class AutoCaps:
     def __init__(self, first_bucket_cap_mb: float | None):
         self.first_bucket_cap_mb = first_bucket_cap_mb  # the user's, or None for torch's default
         self.records: list[dict] = []
+        self.measured = 0  # synced backwards since the order became final
         self.choice: BucketChoice | None = None
         self._own_trace = False
 
@@ -151,17 +152,32 @@ class AutoCaps:
             reducer.trace, self._own_trace = [], True
 
     def observe(self, reducer, record: dict | None, replanned: bool) -> None:
-        """After a synced backward: keep its record unless the layout changed; choose after enough."""
-        if record is None:  # the trace was switched off meanwhile: switch it on again
-            self.start(reducer)
+        """After a synced backward (``record`` None: not traced, e.g. shadowed by a joined rank):
+        count it unless the layout changed in it; choose once ``MEASURED_SYNCS`` were counted.
+
+        Every rank takes part in every synced backward (a joined one shadows it), so every rank
+        reaches the choice, and its broadcast, at the same backward.
+        """
+        if replanned:  # it ran with the old layout: its buckets are not the ones to measure
             return
-        if not replanned:  # a re-planned backward ran with the old layout: its buckets are not ours
+        self.measured += 1
+        if record is not None:
             self.records.append(record)
-        if len(self.records) < MEASURED_SYNCS:
+        elif reducer.trace is None:  # switched off meanwhile: trace the next ones
+            self._own_trace = False
+            self.start(reducer)
+        if self.measured < MEASURED_SYNCS:
             return
+        if not self.records:  # this rank traced none (joined early): it proposes the current caps
+            return self._agree(reducer, BucketChoice(bucket_cap_mb=reducer.bucket_cap_mb,
+                                                     first_bucket_cap_mb=reducer.first_bucket_cap_mb,
+                                                     link=LinkModel(latency=0.0, seconds_per_byte=0.0)))
         # every rank predicts from its own trace (what ``model.bucket_choice`` shows); rank 0's cap holds
-        choice = choose_cap(reducer.params, reducer.plan_order, ready_times(self.records, len(reducer.params)),
-                            fit_link(self.records), self.first_bucket_cap_mb)
+        self._agree(reducer, choose_cap(reducer.params, reducer.plan_order,
+                                        ready_times(self.records, len(reducer.params)),
+                                        fit_link(self.records), self.first_bucket_cap_mb))
+
+    def _agree(self, reducer, choice: BucketChoice) -> None:
         shared = torch.tensor([choice.bucket_cap_mb, choice.first_bucket_cap_mb], dtype=torch.float64,
                               device=reducer.device)
         if reducer.world_size > 1:
