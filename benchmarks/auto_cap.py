@@ -5,8 +5,9 @@
 
 AdamW on identical model copies, variants taking turns window by window (``paired.py``): torch's
 DDP, and gradsync's DDP with gradient views (the recommended settings) at 25 MiB (torch's
-default), 4 MiB, and ``"auto"``. Warm-up covers auto's re-plan and its three measured backwards,
-so every timed window runs with the chosen cap. Paired ratios are to torch's DDP.
+default), 4 MiB, and ``"auto"``. Warm-up covers auto's re-plan and its timed candidates (at most
+1 + 3 x 5 synced backwards), so every timed window runs with the chosen cap. Paired ratios are
+to torch's DDP.
 """
 from __future__ import annotations
 
@@ -39,8 +40,8 @@ def summarize(result: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     quick = [ModelSpec(name="gpt-tiny", kind="gpt", width=64, depth=1, batch=2, seq=8)]
-    return paired_main("auto_cap", __doc__, MODELS, quick, time_rank, summarize, report, argv, reps=15, warmup=6,
-                       quick_warmup=5)  # quick still lets auto choose: re-plan, then three measured backwards
+    return paired_main("auto_cap", __doc__, MODELS, quick, time_rank, summarize, report, argv, reps=15, warmup=18,
+                       quick_warmup=8)  # quick still lets auto choose (a tiny model has one or two layouts)
 
 
 def report(record: dict) -> str:
@@ -49,20 +50,19 @@ def report(record: dict) -> str:
     lines = ["# Automatic bucket cap (`bucket_cap_mb=\"auto\"`)", "",
              describe(record, ", AdamW, gradsync with gradient views") + " Paired ratio = median over rounds of "
              "(variant / torch's DDP); noise = median difference between consecutive windows of torch's DDP.", "",
-             "| model | accum | torch window (ms) | noise (ms) | " + " | ".join(names[1:]) + " | auto chose (rank 0) |",
+             "| model | accum | torch window (ms) | noise (ms) | " + " | ".join(names[1:]) + " | auto chose |",
              "|---|---|---|---|" + "---|" * len(names)]
     for r in rows:
         c = r["choice"]
         chose = "none yet" if c is None else f"{c['bucket_cap_mb']:g} MiB ({c['buckets'][c['bucket_cap_mb']]} buckets)"
         lines.append(f"| {r['model']} | {r['accum']} | {r['median_ms']['torch']:.1f} | {r['noise_ms']:.1f} | "
                      + " | ".join(f"{r['paired_ratio'][n]:.3f}" for n in names[1:]) + f" | {chose} |")
-    lines += ["", "Predicted end of communication per candidate cap (ms after backward start, rank 0's trace):", ""]
+    lines += ["", "What auto timed (median synced backward per candidate cap, ms, max over ranks; buckets):", ""]
     for r in rows:
         c = r["choice"]
         if c is not None:
-            lines.append(f"- {r['model']} accum {r['accum']}: latency {c['latency_ms']:.2f} ms, "
-                         + (f"{c['gb_per_s']:.2f} GB/s; " if c["gb_per_s"] else "no size dependence fitted; ")
-                         + ", ".join(f"{cap:g} MiB {ms:.1f}" for cap, ms in c["predicted_ms"].items()))
+            lines.append(f"- {r['model']} accum {r['accum']}: " + ", ".join(
+                f"{cap:g} MiB {ms:.1f} ({c['buckets'][cap]})" for cap, ms in c["measured_ms"].items()))
     return "\n".join(lines) + "\n"
 
 

@@ -286,9 +286,8 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
 
     @property
     def bucket_choice(self) -> dict | None:
-        """With ``bucket_cap_mb="auto"``: the chosen cap, the fitted link and each candidate's
-        predicted end of communication (this rank's trace; rank 0's cap holds). None before the
-        choice (made after the fourth synced backward) or without ``"auto"``."""
+        """With ``bucket_cap_mb="auto"``: the chosen cap and each candidate's median synced backward
+        (max over ranks; ``core/autocap.py``). None before the choice or without ``"auto"``."""
         auto = self.reducer.auto_caps
         return None if auto is None or auto.choice is None else auto.choice.as_dict()
 

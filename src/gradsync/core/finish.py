@@ -74,11 +74,10 @@ class SyncEnd:
         self._window_used = [False] * n
         guard.mark_synced(self)
         self.sync_count += 1
-        replanned = self._ready_order is not None
-        if replanned:
+        if self._ready_order is not None:
             self._rebuild_buckets()
         if self.auto_caps is not None and self.auto_caps.choice is None:
-            self.auto_caps.observe(self, record, replanned)
+            self.auto_caps.observe(self, record)
 
     def _write_back_as_reduced(self) -> None:
         """Write back each bucket as soon as it is reduced and hand it to ``bucket_reduced``.

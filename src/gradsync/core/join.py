@@ -187,9 +187,8 @@ def shadow_backward(reducer: Reducer) -> None:
             "followed by exactly one backward inside model.join())"
         )
     reducer.sync_count += 1
-    replanned = not reducer._rebuilt
-    if replanned:  # the active ranks re-plan buckets after their first synced backward
+    if not reducer._rebuilt:  # the active ranks re-plan buckets after their first synced backward
         reducer._ready_order = reducer._ready_order or []
         reducer._rebuild_buckets()
     if reducer.auto_caps is not None and reducer.auto_caps.choice is None:
-        reducer.auto_caps.observe(reducer, None, replanned)  # and they agree on bucket_cap_mb="auto"
+        reducer.auto_caps.observe(reducer, None)  # and time bucket_cap_mb="auto"'s candidates

@@ -187,7 +187,7 @@ class Reducer(SyncEnd, BucketStorage, BucketLauncher):
             self._ready_order = []
         if self.trace is not None:
             self._iter_trace = {"iteration": self.sync_count, "backward_start": time.perf_counter(),
-                                "buckets": [], "params": {}}
+                                "buckets": []}
         if self.static_graph and self._static_counts is not None:
             unused = [i for i, c in enumerate(self._static_counts) if c == 0]
         elif self.find_unused_parameters:
@@ -220,8 +220,6 @@ class Reducer(SyncEnd, BucketStorage, BucketLauncher):
                 "same every iteration, or use torch.utils.checkpoint(..., use_reentrant=False)."
             )
         self._ready[i] = True
-        if self._iter_trace is not None:
-            self._iter_trace["params"][i] = time.perf_counter()
         self._copy_to_bucket(i)
         bucket = self.buckets[self._bucket_of[i]]
         bucket.pending -= 1

@@ -6,12 +6,23 @@ steps the shards and all-gathers parameters is ``sharded_optim.py``.
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Any
 
 import torch
 
 from ..core.ddp import DistributedDataParallel
+from .sharded_prefetch import compiling
 from .sharded_reducer import ShardedReducer
+
+
+def _dynamo_active() -> bool:
+    """True inside ``torch.compile``'s tracing or a compiled callable (Dynamo's frame callback is set)."""
+    if compiling():
+        return True
+    ef = getattr(sys.modules.get("torch._C._dynamo"), "eval_frame", None)
+    return ef is not None and ef.get_eval_frame_callback() not in (None, False)
+
 
 class ShardedDataParallel(DistributedDataParallel):
     """ZeRO-2-style data parallelism: each rank keeps 1/W of the averaged gradient.
@@ -37,6 +48,19 @@ class ShardedDataParallel(DistributedDataParallel):
         super().__init__(module, *args, **kwargs)
         self.reducer.max_inflight = int(max_inflight)
         self.reducer.staging_budget_bytes = None if staging_budget_mb is None else int(staging_budget_mb * 2**20)
+        _skip_frames()
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        gathers = self.reducer.gathers
+        if gathers is None or not gathers.active:
+            return super().forward(*inputs, **kwargs)
+        # the mode guards only the thread that stepped, and Dynamo would trace it: wait now
+        if not gathers.guards_this_thread() or _dynamo_active() or type(self.module).__name__ == "OptimizedModule":
+            gathers.finish()
+        try:
+            return super().forward(*inputs, **kwargs)
+        finally:  # every all-gather done before the backward; the mode costs nothing from here on
+            gathers.finish()
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         raise NotImplementedError(
@@ -93,6 +117,19 @@ class ShardedDataParallel(DistributedDataParallel):
         ``ShardedDataParallel`` exists; given only part of the parameters it raises.
         """
         return self.reducer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+
+
+_skipped = False
+
+
+def _skip_frames() -> None:
+    """Dynamo runs the wrapper and the prefetch waits eagerly, as it runs ``gradsync.core`` (core/compile.py)."""
+    global _skipped
+    if not _skipped:
+        import torch._dynamo.trace_rules as rules
+        rules.add(__name__)
+        rules.add(compiling.__module__)
+        _skipped = True
 
 
 __all__ = ["ShardedDataParallel"]

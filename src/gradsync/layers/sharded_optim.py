@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .sharded import ShardedDataParallel
 from .sharded_comm import start_all_gather
+from .sharded_prefetch import Gathers
 
 
 class _Piece:
@@ -41,13 +42,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     torch's, ``{"params": [model parameters], **options}``; by default all trainable
     parameters form one group. ``param_groups`` on the result are the inner optimizer's groups,
     so learning-rate schedulers work; their ``"params"`` hold the shard pieces.
+
+    ``prefetch=True`` (opt-in) lets ``step()`` return before the parameter all-gathers finish:
+    each bucket's is waited just before a torch function first uses memory of that bucket (a
+    ``TorchFunctionMode`` checks the tensor arguments of every torch function until the end of the
+    wrapper's next forward, a few microseconds per op), and everything is waited at the end of that
+    forward, at the next ``step()`` and in ``state_dict()``/``load_state_dict()``. Memory read
+    without a torch function (raw pointers, ``torch.distributed`` calls on parameters) needs
+    ``wait_for_params()`` first. Under ``torch.compile`` everything is waited at forward entry.
     """
 
     def __init__(self, model: ShardedDataParallel, optimizer_class: Callable[..., torch.optim.Optimizer],
-                 *, param_groups: Iterable[dict] | None = None, **kwargs: Any):
+                 *, param_groups: Iterable[dict] | None = None, prefetch: bool = False, **kwargs: Any):
         if not isinstance(model, ShardedDataParallel):
             raise TypeError(f"gradsync: ShardedOptimizer needs a gradsync.ShardedDataParallel model, got "
                             f"{type(model).__name__}; wrap the module in ShardedDataParallel first")
+        if not isinstance(prefetch, bool):
+            raise TypeError(f"gradsync: ShardedOptimizer's prefetch must be True or False, got "
+                            f"{type(prefetch).__name__} {prefetch!r}")
+        self.prefetch = prefetch
         self.model = model
         self.reducer = reducer = model.reducer
         self._masters: list[torch.Tensor] = []
@@ -91,6 +104,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
         self._initializing = False
         self._link()
+        if prefetch and reducer.gathers is None:
+            reducer.gathers = Gathers(reducer)
 
     def _user_groups(self, param_groups: Iterable[dict] | None) -> list[tuple[list[int], dict]]:
         reducer = self.reducer
@@ -129,6 +144,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     # ---------------------------------------------------------------- stepping
+    @property
+    def pending_gathers(self) -> list[int]:
+        """Indices of the buckets whose parameter all-gather is started but not waited yet."""
+        gathers = self.reducer.gathers
+        return [] if gathers is None else gathers.pending
+
+    def wait_for_params(self) -> None:
+        """Wait for every pending parameter all-gather (prefetch=True)."""
+        if self.reducer.gathers is not None:
+            self.reducer.gathers.finish()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradient shards (and any local gradients from no_sync micro-steps)."""
         self.reducer.zero_grad(set_to_none)
@@ -138,6 +164,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Step this rank's shard, then all-gather the updated parameters to every rank."""
+        self.wait_for_params()  # the shard is about to change, and new collectives to start
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -148,7 +175,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             piece.tensor.grad = None
         # bucket by bucket (the optimizer is element-wise), so that each bucket's all-gather runs
         # while the optimizer steps the next one
-        works = []
+        works: dict[int, list] = {}
         for b, master, pieces in zip(reducer.buckets, self._masters, self._bucket_pieces):
             stepped = [p for p in pieces if reducer.has_grad[p.param]]
             if stepped:
@@ -162,17 +189,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if master is not own:
                 own.copy_(master)
             if reducer.world_size > 1:
-                works += [(b, w) for w in start_all_gather(b.flat_param, b.shard_numel, reducer.rank,
-                                                           reducer.group, reducer.exchange)]
-        for b, work in works:
-            reducer.wait(work, f"the parameter all-gather of bucket {b.index}")
+                works[b.index] = start_all_gather(b.flat_param, b.shard_numel, reducer.rank, reducer.group,
+                                                  reducer.exchange)
         for piece in self._pieces:
             piece.tensor.grad = piece.grad if reducer.has_grad[piece.param] else None
+        if not (self.prefetch and reducer.gathers.defer(works)):
+            for index, bucket_works in works.items():
+                for work in bucket_works:
+                    reducer.wait(work, f"the parameter all-gather of bucket {index}")
         return loss
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Return the full (unsharded) optimizer state in torch's format; collective: call on every rank."""
+        self.wait_for_params()
         inner = self.optimizer.state_dict()
         local = []
         for k, st in inner["state"].items():
@@ -194,6 +224,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a full optimizer state (from ``state_dict()`` at any world size, or a torch optimizer)."""
+        self.wait_for_params()
         groups = state_dict["param_groups"]
         if [list(g["params"]) for g in groups] != self._group_params:
             raise ValueError(

@@ -56,6 +56,7 @@ class ShardedReducer(Reducer):
     # more than one in flight lets gloo's worker threads reduce two buckets at once.
     max_inflight = 2
     staging_budget_bytes: int | None = None  # None: max_inflight alone bounds it
+    gathers = None  # ShardedOptimizer(prefetch=True)'s pending parameter all-gathers (sharded_prefetch.py)
 
     def __init__(self, params, names, process_group, **kwargs):
         if kwargs.get("gradient_as_bucket_view"):
@@ -134,6 +135,8 @@ class ShardedReducer(Reducer):
 
     # ---------------------------------------------------------------- backward
     def _begin_backward(self) -> None:
+        if self.gathers is not None:  # the forward waited already, unless it bypassed the wrapper
+            self.gathers.wait_all()
         self._inflight.clear()
         self._partial_before = self.partial
         super()._begin_backward()
