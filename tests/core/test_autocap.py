@@ -66,8 +66,12 @@ def auto_vs_torch(rank, world_size, view, steps):
         buckets.append(len(ours.reducer.buckets))
     r = ours.reducer
     expected = plan_buckets(r.params, r.bucket_cap_mb, r.first_bucket_cap_mb, r.plan_order)
-    return (choices, buckets, worst, params(ours.module), params(theirs.module), r.bucket_plan() == expected,
-            r.trace, ours.grad_state_dict())
+    # small results only: the parent's heap, inherited by later tests' forks, would hide their allocations
+    ours_p, theirs_p = params(ours.module), params(theirs.module)
+    drift = max((ours_p[k] - theirs_p[k]).abs().max().item() for k in ours_p)
+    state = ours.grad_state_dict()
+    state = {k: state[k] for k in ("bucket_order", "bucket_caps")}
+    return choices, buckets, worst, drift, r.bucket_plan() == expected, r.trace, state
 
 
 @pytest.mark.parametrize("view", [False, True])
@@ -75,7 +79,7 @@ def test_auto_cap_times_each_layout_agrees_and_trains_like_torch(view):
     n = schedule_length()
     results = run_ranks(auto_vs_torch, 2, view, n + 1)
     caps = set()
-    for choices, buckets, worst, ours, theirs, planned, trace, state in results:
+    for choices, buckets, worst, drift, planned, trace, state in results:
         assert all(c is None for c in choices[:n - 1])
         chosen = choices[n - 1]
         assert chosen is not None and choices[n] == chosen
@@ -88,13 +92,13 @@ def test_auto_cap_times_each_layout_agrees_and_trains_like_torch(view):
         assert planned and trace is None  # re-planned with the cap; the internal trace is off again
         assert state["bucket_caps"] == [chosen["bucket_cap_mb"], chosen["first_bucket_cap_mb"]]
         assert worst < 1e-6  # every step's gradients, through every re-plan
-        assert_close_dicts(ours, theirs, atol=1e-5)
+        assert drift < 1e-5
     assert len(caps) == 1
 
 
 def resume_with_auto(rank, world_size, state):
     model = gradsync.DDP(wide(0), bucket_cap_mb="auto")
-    model.load_grad_state_dict(state)
+    model.load_grad_state_dict({"gradients": {}, **state})
     return model.reducer.bucket_cap_mb, model.reducer.bucket_plan(), model.bucket_choice
 
 
