@@ -1,7 +1,9 @@
 """Models, data, rank loops, one-process references and fault probes shared by the multi-rank tests."""
 from __future__ import annotations
 
+import multiprocessing
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -218,3 +220,39 @@ def outcome(fn):
 def faults(fn, *args, world_size=2):
     """Run ``fn`` on every rank with short bounds; return each rank's result or error."""
     return run_ranks(fn, world_size, *args, timeout=90, pg_timeout=PG_TIMEOUT, return_errors=True)
+
+
+# ---------------------------------------------------------------- memory probes
+def in_fresh_process(fn, *args, timeout: float = 180.0):
+    """Return ``fn(*args)`` run in a newly started interpreter (spawned, not forked).
+
+    Resident-memory probes need this: a forked child inherits the test process's heap, and an
+    allocation that reuses a free, already resident chunk of it does not grow the resident set.
+    """
+    ctx = multiprocessing.get_context("spawn")
+    recv, send = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=_reply, args=(send, fn, args))  # not a daemon: fn may fork ranks
+    proc.start()
+    send.close()
+    try:
+        if not recv.poll(timeout):
+            raise TimeoutError(f"{fn.__name__} did not finish in {timeout} s in a fresh process")
+        try:
+            ok, value = recv.recv()
+        except EOFError:
+            proc.join(5)
+            raise RuntimeError(f"{fn.__name__} died in a fresh process (exit code {proc.exitcode})") from None
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(5)
+    if not ok:
+        raise RuntimeError(f"{fn.__name__} failed in a fresh process:\n{value}")
+    return value
+
+
+def _reply(send, fn, args) -> None:
+    try:
+        send.send((True, fn(*args)))
+    except BaseException:
+        send.send((False, traceback.format_exc()))
