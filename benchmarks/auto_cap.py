@@ -6,7 +6,7 @@
 AdamW on identical model copies, variants taking turns window by window (``paired.py``): torch's
 DDP, and gradsync's DDP with gradient views (the recommended settings) at 25 MiB (torch's
 default), 4 MiB, and ``"auto"``. Warm-up covers auto's re-plan and its timed candidates (at most
-1 + 3 x 5 synced backwards), so every timed window runs with the chosen cap. Paired ratios are
+1 + 4 x 5 synced backwards), so every timed window runs with the chosen cap. Paired ratios are
 to torch's DDP.
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ def summarize(result: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     quick = [ModelSpec(name="gpt-tiny", kind="gpt", width=64, depth=1, batch=2, seq=8)]
-    return paired_main("auto_cap", __doc__, MODELS, quick, time_rank, summarize, report, argv, reps=15, warmup=18,
+    return paired_main("auto_cap", __doc__, MODELS, quick, time_rank, summarize, report, argv, reps=15, warmup=24,
                        quick_warmup=8)  # quick still lets auto choose (a tiny model has one or two layouts)
 
 

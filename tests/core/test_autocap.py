@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.core.autocap import ROUNDS, distinct_layouts, fastest, first_cap, syncs_to_choose
+from gradsync.core.autocap import (CANDIDATES_MB, ROUNDS, choose, default_cap, distinct_layouts, first_cap,
+                                   syncs_to_choose)
 from gradsync.core.buckets import MiB, plan_buckets
 from gradsync.tools.launch import run_ranks
 from helpers import assert_close_dicts, batches, grads, mlp, params, shard
@@ -31,9 +32,16 @@ def test_first_bucket_follows_torch_unless_given():
     assert all(sum(1 for _ in plan[0]) == 3 for plan in layouts.values() if len(plan) > 1)
 
 
-def test_fastest_prefers_fewer_buckets_within_the_tie():
-    assert fastest({1.0: 100.0, 16.0: 90.0, 25.0: 91.5, 64.0: 95.0}) == 25.0  # 91.5 is within 2% of 90
-    assert fastest({1.0: 80.0, 16.0: 90.0, 25.0: 91.5}) == 1.0
+def test_the_default_stays_unless_another_cap_wins_every_round_clearly():
+    rounds = {1.0: [100.0] * 4, 16.0: [90.0, 90.5, 91.0, 91.5], 25.0: [95.0] * 4, 64.0: [91.0, 91.5, 92.0, 91.5]}
+    assert choose(rounds, 25.0) == 64.0  # 16 and 64 both clear; 64's median is within TIE of 16's
+    assert choose({**rounds, 16.0: [80.0] * 4}, 25.0) == 16.0
+    assert choose({1.0: [90.0, 90.0, 96.0, 90.0], 25.0: [95.0] * 4}, 25.0) == 25.0  # lost one round
+    assert choose({1.0: [94.0] * 4, 25.0: [95.0] * 4}, 25.0) == 25.0  # faster, but within the tie
+    layouts = distinct_layouts(layers(*[4] * 8), None, None)
+    assert default_cap(layouts, layers(*[4] * 8), None, None) == 25.0
+    small = layers(*[2] * 4)
+    assert default_cap(distinct_layouts(small, None, None), small, None, None) == 16.0  # 25 plans what 16 plans
 
 
 def test_the_schedule_length():
@@ -87,7 +95,8 @@ def test_auto_cap_times_each_layout_agrees_and_trains_like_torch(view):
         assert len(layouts) >= 2 and buckets[:n - 1] == layouts * ROUNDS  # each layout timed ROUNDS times
         assert buckets[-1] == chosen["buckets"][chosen["bucket_cap_mb"]]
         assert all(t > 0 for t in chosen["measured_ms"].values())
-        assert chosen["bucket_cap_mb"] == fastest(chosen["measured_ms"])
+        assert all(len(t) == ROUNDS for t in chosen["rounds_ms"].values())
+        assert chosen["bucket_cap_mb"] == choose(chosen["rounds_ms"], chosen["default_mb"])
         caps.add(chosen["bucket_cap_mb"])
         assert planned and trace is None  # re-planned with the cap; the internal trace is off again
         assert state["bucket_caps"] == [chosen["bucket_cap_mb"], chosen["first_bucket_cap_mb"]]
@@ -130,6 +139,43 @@ def test_bad_auto_settings_raise_clear_errors():
         assert len(errors) == 3
         assert "size in MiB or \"auto\"" in errors[0] and "bucket_cap_mb_list" in errors[1]
         assert "ShardedDataParallel" in errors[2] and "at construction" in errors[2]
+
+
+def auto_with_powersgd(rank, world_size, start, steps):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
+    model = gradsync.DDP(wide(rank), bucket_cap_mb="auto")
+    state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=start)
+    try:
+        model.register_comm_hook(state, powerSGD.powerSGD_hook)
+    except ValueError as exc:
+        return str(exc)
+    for x, y in batches(steps, world_size, per_rank=4):
+        model.zero_grad()
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    return state.iter, model.bucket_choice is not None, {n: g.sum().item() for n, g in grads(model).items()}
+
+
+def test_powersgd_state_must_start_after_the_choice():
+    # PowerSGD's per-bucket error feedback would meet re-planned buckets while "auto" still chooses
+    bound = syncs_to_choose(len(CANDIDATES_MB))
+    for error in run_ranks(auto_with_powersgd, 2, bound - 1, 1):
+        assert f"start_powerSGD_iter >= {bound}" in error and "bucket_cap_mb" in error
+    (iters, chosen, g0), (_, _, g1) = run_ranks(auto_with_powersgd, 2, bound, bound + 2)
+    assert iters == bound + 2 and chosen and g0 == g1  # compressed steps ran, and every rank agrees
+
+
+def traced_auto(rank, world_size, steps):
+    model = gradsync.DDP(wide(rank), bucket_cap_mb="auto")
+    trace = model.enable_comm_trace()
+    for x, y in batches(steps, world_size, per_rank=4):
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    return len(trace), model.comm_trace is trace, model.bucket_choice is not None
+
+
+def test_a_trace_the_user_enabled_outlives_the_choice():
+    steps = schedule_length() + 2
+    for recorded, same, chosen in run_ranks(traced_auto, 2, steps):
+        assert chosen and same and recorded == steps
 
 
 def uneven_auto(rank, world_size, counts):

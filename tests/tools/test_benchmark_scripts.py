@@ -90,3 +90,13 @@ def test_scaling_quick_run(tmp_path):
     assert all(v == 0 for v in one.values())  # one rank sends nothing
     for hook in ("gradsync bf16_compress_hook", "gradsync bf16_wire_hook"):  # bf16 on the wire
         assert 0 < two[hook] < two["gradsync"]
+
+
+def test_sharded_prefetch_quick_run(tmp_path):
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_prefetch.py"), "--quick", "--accum", "2",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (row,) = json.loads((tmp_path / "sharded_prefetch-quick.json").read_text())["rows"]
+    assert row["param_sums"]["sharded-prefetch"] == row["param_sums"]["sharded"]  # same training, only earlier
+    assert (tmp_path / "sharded_prefetch-quick.md").read_text().count("| mlp-tiny | 2 |") == 1

@@ -7,9 +7,12 @@ its first gradient to the end of its write-back: that span holds everything the 
 (launches, exposed communication, write-back) and, where collectives share cores with backward
 (CPU), what communication costs the backward itself. A model of the link alone misses that last
 part: one fit to the same traces chose 4 MiB buckets for gpt-12M, which measured slower than 25
-(``benchmarks/results/auto_cap-link-model.md``). Each candidate's median is all-reduced with MAX
-(the slowest rank sets the step), so every rank picks the same fastest cap (within ``TIE`` of the
-fastest, the largest: fewer buckets) and re-plans one last time.
+(``benchmarks/results/auto_cap-link-model.md``). The times are all-reduced with MAX (the slowest
+rank sets the step), so every rank makes the same choice, and re-plans one last time.
+
+The choice keeps torch's default 25 MiB unless a candidate beat it in every round and by more
+than ``TIE`` at the median: on a shared CPU the candidates often differ by less than the noise of
+a few samples, and the minimum of noisy medians would pick a layout by chance.
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ import torch.distributed as dist
 from .buckets import plan_buckets
 
 CANDIDATES_MB = (1.0, 4.0, 16.0, 25.0, 64.0)
-ROUNDS = 3
-TIE = 0.02
+ROUNDS = 4  # a candidate that is no faster beats the default in every round with chance 1/16
+TIE = 0.03
+DEFAULT_MB = 25.0  # torch's default cap: kept unless another candidate is clearly faster
 DEFAULT_FIRST_MB = 1.0  # torch's first bucket
 
 
@@ -34,12 +38,15 @@ class BucketChoice:
 
     bucket_cap_mb: float
     first_bucket_cap_mb: float
+    default_mb: float | None = None  # the candidate with torch's default layout (25 MiB)
     measured_ms: dict[float, float] = field(default_factory=dict)  # cap -> median synced backward, max over ranks
+    rounds_ms: dict[float, list[float]] = field(default_factory=dict)  # cap -> each round's synced backward
     buckets: dict[float, int] = field(default_factory=dict)  # cap -> number of buckets
 
     def as_dict(self) -> dict:
         return {"bucket_cap_mb": self.bucket_cap_mb, "first_bucket_cap_mb": self.first_bucket_cap_mb,
-                "measured_ms": dict(self.measured_ms), "buckets": dict(self.buckets)}
+                "default_mb": self.default_mb, "measured_ms": dict(self.measured_ms),
+                "rounds_ms": {c: list(t) for c, t in self.rounds_ms.items()}, "buckets": dict(self.buckets)}
 
 
 def first_cap(cap: float, user_first: float | None) -> float:
@@ -58,10 +65,26 @@ def distinct_layouts(params: Sequence[torch.Tensor], order: Sequence[int] | None
     return layouts
 
 
-def fastest(measured: dict[float, float]) -> float:
-    """The cap with the shortest time; within ``TIE`` of it, the largest such cap."""
-    best = min(measured.values())
-    return max(cap for cap, t in measured.items() if t <= best * (1 + TIE))
+def default_cap(layouts: dict[float, list[list[int]]], params: Sequence[torch.Tensor], order: Sequence[int] | None,
+                user_first: float | None) -> float:
+    """The candidate whose layout is the one ``DEFAULT_MB`` plans."""
+    plan = plan_buckets(params, DEFAULT_MB, first_cap(DEFAULT_MB, user_first), order)
+    return next(cap for cap, layout in layouts.items() if layout == plan)
+
+
+def choose(rounds: dict[float, list[float]], default: float) -> float:
+    """``default``, unless a cap was faster in every round and by more than ``TIE`` at the median.
+
+    Of several such caps, the fastest; within ``TIE`` of it, the largest (fewer buckets).
+    """
+    base = statistics.median(rounds[default])
+    clear = {cap: statistics.median(t) for cap, t in rounds.items()
+             if cap != default and all(a < b for a, b in zip(t, rounds[default]))
+             and statistics.median(t) < base * (1 - TIE)}
+    if not clear:
+        return default
+    best = min(clear.values())
+    return max(cap for cap, t in clear.items() if t <= best * (1 + TIE))
 
 
 class AutoCaps:
@@ -70,6 +93,7 @@ class AutoCaps:
     def __init__(self, first_bucket_cap_mb: float | None):
         self.first_bucket_cap_mb = first_bucket_cap_mb  # the user's, or None for torch's default
         self.layouts: dict[float, list[list[int]]] | None = None
+        self.default: float | None = None  # the candidate with DEFAULT_MB's layout
         self.schedule: list[float] = []  # caps still to time, in order
         self.current: float | None = None  # the cap the next synced backward runs with
         self.times: dict[float, list[float]] = {}
@@ -80,6 +104,10 @@ class AutoCaps:
         if reducer.trace is None:
             reducer.trace, self._own_trace = [], True
 
+    def keep_trace(self) -> None:
+        """The user asked for the trace: leave it on after the choice."""
+        self._own_trace = False
+
     def observe(self, reducer, record: dict | None) -> None:
         """After a synced backward (``record`` None: not traced here, e.g. shadowed by a joined rank).
 
@@ -89,6 +117,7 @@ class AutoCaps:
         if self.layouts is None:  # the order is final by now: plan the schedule, time from the next one
             order = self._order(reducer)
             self.layouts = distinct_layouts(reducer.params, order, self.first_bucket_cap_mb)
+            self.default = default_cap(self.layouts, reducer.params, order, self.first_bucket_cap_mb)
             self.schedule = [cap for _ in range(ROUNDS) for cap in self.layouts]
             self.times = {cap: [] for cap in self.layouts}
         elif record is not None and "backward_end" in record:
@@ -104,17 +133,17 @@ class AutoCaps:
 
     def _agree(self, reducer) -> None:
         caps = list(self.layouts)
-        # a cap this rank never timed (it shadowed those backwards) counts 0: other ranks timed it
-        medians = torch.tensor([statistics.median(self.times[c]) if self.times[c] else 0.0 for c in caps],
-                               dtype=torch.float64, device=reducer.device)
+        # a round this rank did not time (it shadowed that backward) counts 0: other ranks timed it
+        times = torch.tensor([(self.times[c] + [0.0] * ROUNDS)[:ROUNDS] for c in caps],
+                             dtype=torch.float64, device=reducer.device)
         if reducer.world_size > 1:  # MAX is exact in any order: every rank gets the same numbers
-            reducer.wait(dist.all_reduce(medians, op=dist.ReduceOp.MAX, group=reducer.group, async_op=True),
+            reducer.wait(dist.all_reduce(times, op=dist.ReduceOp.MAX, group=reducer.group, async_op=True),
                          "the automatic bucket cap's timings")
-        measured = dict(zip(caps, medians.tolist()))
-        cap = fastest(measured)
+        rounds = {c: [1e3 * t for t in row] for c, row in zip(caps, times.tolist())}
+        cap = choose(rounds, self.default)
         self.finish(reducer, BucketChoice(
-            bucket_cap_mb=cap, first_bucket_cap_mb=first_cap(cap, self.first_bucket_cap_mb),
-            measured_ms={c: 1e3 * t for c, t in measured.items()},
+            bucket_cap_mb=cap, first_bucket_cap_mb=first_cap(cap, self.first_bucket_cap_mb), default_mb=self.default,
+            measured_ms={c: statistics.median(t) for c, t in rounds.items()}, rounds_ms=rounds,
             buckets={c: len(plan) for c, plan in self.layouts.items()}))
 
     def resume(self, reducer, bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:
@@ -146,5 +175,21 @@ def syncs_to_choose(candidates: int) -> int:
     return 1 + ROUNDS * candidates
 
 
-__all__ = ["AutoCaps", "BucketChoice", "CANDIDATES_MB", "ROUNDS", "distinct_layouts", "fastest", "first_cap",
-           "syncs_to_choose"]
+def check_auto_cap_hook_state(auto: AutoCaps | None, state) -> None:
+    """Refuse a hook state keyed by bucket index that would outlive a layout "auto" still changes.
+
+    torch's PowerSGD keeps error feedback and warm-start matrices per bucket index from
+    ``start_powerSGD_iter`` on; a bucket re-planned after that would meet another bucket's state.
+    """
+    start = getattr(state, "start_powerSGD_iter", None)
+    bound = syncs_to_choose(len(CANDIDATES_MB))
+    if auto is None or auto.choice is not None or not isinstance(start, int) or start >= bound:
+        return
+    raise ValueError(
+        f"gradsync: bucket_cap_mb=\"auto\" re-plans the buckets during up to the first {bound} synced "
+        f"backwards, but this hook state keeps per-bucket tensors from start_powerSGD_iter={start} on. "
+        f"Pass start_powerSGD_iter >= {bound}, or a number as bucket_cap_mb.")
+
+
+__all__ = ["AutoCaps", "BucketChoice", "CANDIDATES_MB", "ROUNDS", "check_auto_cap_hook_state", "choose",
+           "default_cap", "distinct_layouts", "first_cap", "syncs_to_choose"]

@@ -18,6 +18,7 @@ from torch.distributed.algorithms.join import Joinable, JoinHook
 from torch.distributed.utils import _to_kwargs
 
 from .comm import CommHook
+from .autocap import check_auto_cap_hook_state
 from .compile import active_ddp, bucket_bytes_caps, skip_wrapper_frames
 from .construct import (broadcast_coalesced, check_comm_hook, check_wrappable, claim,
                         resolve_auto_cap, resolve_bucket_caps, resolve_buffer_sync, resolve_device_ids, resolve_group,
@@ -272,12 +273,15 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
             raise RuntimeError("gradsync: register_comm_hook can only be called once")
         if self.reducer.backward_count > 0:
             raise RuntimeError("gradsync: register_comm_hook must be called before the first backward")
+        check_auto_cap_hook_state(self.reducer.auto_caps, state)
         self.reducer.comm_hook, self.reducer.comm_state = hook, state
 
     def enable_comm_trace(self) -> list[dict]:
         """Start recording a per-bucket timeline of every synced backward; return the record list."""
         if self.reducer.trace is None:
             self.reducer.trace = []
+        if self.reducer.auto_caps is not None:  # "auto" traces while it chooses: keep tracing after
+            self.reducer.auto_caps.keep_trace()
         return self.reducer.trace
 
     @property
