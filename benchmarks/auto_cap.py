@@ -41,7 +41,7 @@ def summarize(result: dict) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     quick = [ModelSpec(name="gpt-tiny", kind="gpt", width=64, depth=1, batch=2, seq=8)]
     return paired_main("auto_cap", __doc__, MODELS, quick, time_rank, summarize, report, argv, reps=15, warmup=24,
-                       quick_warmup=8)  # quick still lets auto choose (a tiny model has one or two layouts)
+                       quick_warmup=8)  # gpt-tiny has one layout: chosen at its first synced backward
 
 
 def report(record: dict) -> str:

@@ -45,7 +45,22 @@ def test_the_default_stays_unless_another_cap_wins_every_round_clearly():
 
 
 def test_the_schedule_length():
-    assert syncs_to_choose(4) == 1 + ROUNDS * 4
+    assert syncs_to_choose(4) == 1 + ROUNDS * 4 and syncs_to_choose(1) == 1
+
+
+def small_auto(rank, world_size):
+    model = gradsync.DDP(mlp(seed=rank), bucket_cap_mb="auto")
+    choices = []
+    for x, y in batches(2, world_size):
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        choices.append(model.bucket_choice)
+    return choices, model.reducer.trace
+
+
+def test_a_model_with_one_layout_is_not_timed():
+    for (first, second), trace in run_ranks(small_auto, 2):
+        assert first == second and first["bucket_cap_mb"] == first["default_mb"] == 1.0  # 1 MiB plans it all
+        assert first["measured_ms"] == {} and trace is None
 
 
 # ---------------------------------------------------------------- multi-rank

@@ -73,7 +73,8 @@ def test_auto_cap_quick_run(tmp_path):
     report = run_script("auto_cap", tmp_path)
     record = json.loads((tmp_path / "auto_cap.json").read_text())
     choice = record["rows"][0]["choice"]
-    assert choice is not None and str(choice["bucket_cap_mb"]) in choice["measured_ms"]  # JSON keys
+    # gpt-tiny fits one bucket at every candidate cap: chosen without timing
+    assert choice is not None and choice["bucket_cap_mb"] == choice["default_mb"] and choice["measured_ms"] == {}
     assert report.count("| gpt-tiny | 1 |") == 1 and "gradsync auto" in report
 
 

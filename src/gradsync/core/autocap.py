@@ -118,6 +118,11 @@ class AutoCaps:
             order = self._order(reducer)
             self.layouts = distinct_layouts(reducer.params, order, self.first_bucket_cap_mb)
             self.default = default_cap(self.layouts, reducer.params, order, self.first_bucket_cap_mb)
+            if len(self.layouts) == 1:  # every candidate plans the same buckets: nothing to time
+                self.finish(reducer, BucketChoice(
+                    bucket_cap_mb=self.default, first_bucket_cap_mb=first_cap(self.default, self.first_bucket_cap_mb),
+                    default_mb=self.default, buckets={self.default: len(self.layouts[self.default])}))
+                return
             self.schedule = [cap for _ in range(ROUNDS) for cap in self.layouts]
             self.times = {cap: [] for cap in self.layouts}
         elif record is not None and "backward_end" in record:
@@ -172,7 +177,7 @@ class AutoCaps:
 
 def syncs_to_choose(candidates: int) -> int:
     """Synced backwards before the choice: the one that re-plans the order, then the schedule."""
-    return 1 + ROUNDS * candidates
+    return 1 + ROUNDS * candidates if candidates > 1 else 1
 
 
 def check_auto_cap_hook_state(auto: AutoCaps | None, state) -> None:
