@@ -11,13 +11,10 @@ each round; ratios are paired round by round.
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,7 +23,7 @@ import gradsync
 from gradsync.tools.bench.measure import round_order
 from gradsync.tools.bench.run import machine_info
 from gradsync.tools.launch import run_ranks
-from sharded_speed import LR, MODELS, QUICK, Engine, TorchDDP, _max, _window
+from sharded_speed import LR, MODELS, QUICK, Engine, TorchDDP, _max, _window, timing_args, write_record
 
 
 class Sharded(Engine):
@@ -100,15 +97,8 @@ def report(record: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--reps", type=int, default=11)
-    p.add_argument("--warmup", type=int, default=1)
+    p = timing_args(__doc__, warmup=1)
     p.add_argument("--block", type=int, default=4, help="consecutive windows per engine turn")
-    p.add_argument("--runs", type=int, default=2, help="whole timing runs, to see whether they agree")
-    p.add_argument("--accum", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
-    p.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke test")
     args = p.parse_args(argv)
     models = QUICK if args.quick else MODELS
     if args.quick:
@@ -126,12 +116,7 @@ def main(argv=None) -> dict:
     record = {"machine": machine_info(), "torch": torch.__version__, "world": args.world, "reps": args.reps,
               "warmup": args.warmup, "block": args.block, "runs": args.runs, "load_before": load_before,
               "load_after": os.getloadavg(), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = "sharded_prefetch" + ("-quick" if args.quick else "")
-    (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1))
-    (args.out / f"{stem}.md").write_text(report(record))
-    print(report(record))
-    return record
+    return write_record(args, "sharded_prefetch", record, report)
 
 
 if __name__ == "__main__":

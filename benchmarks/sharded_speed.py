@@ -244,17 +244,23 @@ def report(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def timing_args(doc: str, warmup: int) -> argparse.ArgumentParser:
+    """The options every sharded timing script takes."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--reps", type=int, default=11)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=warmup)
     p.add_argument("--runs", type=int, default=2, help="whole timing runs, to see whether they agree")
     p.add_argument("--accum", type=int, nargs="+", default=[1, 4])
-    p.add_argument("--engines", nargs="+", default=list(ENGINES))
-    p.add_argument("--no-memory", action="store_true")
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--quick", action="store_true", help="tiny model, 1 round: a smoke test")
+    return p
+
+
+def main(argv=None) -> dict:
+    p = timing_args(__doc__, warmup=2)
+    p.add_argument("--engines", nargs="+", default=list(ENGINES))
+    p.add_argument("--no-memory", action="store_true")
     p.add_argument("--stem", default="sharded_speed", help="results file name")
     p.add_argument("--before", help="an older checkout's src/ directory: adds engine sharded-before")
     args = p.parse_args(argv)
@@ -286,8 +292,13 @@ def main(argv=None) -> dict:
     record = {"machine": machine_info(), "torch": torch.__version__, "world": args.world, "reps": args.reps,
               "warmup": args.warmup, "runs": args.runs, "load_before": load_before, "load_after": os.getloadavg(),
               "rows": rows, "memory": memory}
+    return write_record(args, args.stem, record, report)
+
+
+def write_record(args: argparse.Namespace, stem: str, record: dict, report) -> dict:
+    """Write ``record`` and its report to ``args.out`` (``-quick`` files for a smoke test)."""
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.stem + ("-quick" if args.quick else "")
+    stem += "-quick" if args.quick else ""
     (args.out / f"{stem}.json").write_text(json.dumps(record, indent=1))
     (args.out / f"{stem}.md").write_text(report(record))
     print(report(record))
