@@ -83,9 +83,9 @@ def resolve_auto_cap(bucket_cap_mb: Any, bucket_cap_mb_list: Any, reducer_class:
     if not isinstance(bucket_cap_mb, str):
         return False
     if bucket_cap_mb != "auto":
-        raise ValueError(f"bucket_cap_mb must be a size in MiB or \"auto\", got {bucket_cap_mb!r}")
+        raise ValueError(f"gradsync: bucket_cap_mb must be a size in MiB or \"auto\", got {bucket_cap_mb!r}")
     if bucket_cap_mb_list is not None:
-        raise ValueError("bucket_cap_mb=\"auto\" chooses one cap for every bucket; it cannot go with "
+        raise ValueError("gradsync: bucket_cap_mb=\"auto\" chooses one cap for every bucket; it cannot go with "
                          "bucket_cap_mb_list. Pass one of them.")
     if not reducer_class.replans_buckets:
         raise ValueError(f"gradsync: {wrapper} lays its buckets out once, at construction, so it cannot "
