@@ -53,3 +53,32 @@ def test_import_gradsync_loads_no_tool():
                          timeout=120, env=env).stdout.split()
     assert "gradsync.core.ddp" in new  # the probe saw the import
     assert not [m for m in new if m.startswith(("gradsync.tools", "matplotlib", "tqdm"))]
+
+
+def private_torch_names(path: Path) -> list[str]:
+    """Attribute chains under ``torch`` with a private part (``torch._C.Future``, ``x._base`` on a
+    torch tensor is not seen), and imports of private torch modules or names."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            chain, cur = [node.attr], node.value
+            while isinstance(cur, ast.Attribute):
+                chain.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id in ("torch", "dist", "nn"):
+                if any(part.startswith("_") and not part.startswith("__") for part in chain):
+                    found.append(".".join([cur.id, *reversed(chain)]))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            names = [node.module, *(a.name for a in node.names)]
+            if any(part.startswith("_") and not part.startswith("__") for n in names for part in n.split(".")):
+                found.append(f"from {node.module} import {', '.join(a.name for a in node.names)}")
+    return found
+
+
+def test_private_torch_apis_only_in_the_adapter():
+    """Every private torch API goes through core/_torch.py, which says what breaks without each."""
+    offenders = {str(p.relative_to(PACKAGE)): private_torch_names(p)
+                 for tier in ("core", "layers") for p in sorted((PACKAGE / tier).rglob("*.py"))
+                 if p.name != "_torch.py" and private_torch_names(p)}
+    assert not offenders, offenders
+    assert private_torch_names(PACKAGE / "core" / "_torch.py")  # the probe sees them

@@ -174,3 +174,18 @@ def test_undo_restores_torch_exactly():
     F.mse_loss(ref(x), y).backward()
     assert_close_dicts(torch_grads, grads(ref))
     assert not dist.is_initialized()
+
+
+def one_line_swap(rank, world_size):
+    """The one-line swap many scripts use: gradsync's class assigned over torch's name."""
+    torch.nn.parallel.DistributedDataParallel = gradsync.DistributedDataParallel  # a forked rank: no undo needed
+    model = torch.nn.parallel.DistributedDataParallel(mlp(seed=rank))
+    return train_step(model, rank, world_size)
+
+
+def test_one_line_class_swap_trains():
+    # core/compile.py looked torch's class up through that name, so every forward raised
+    # AttributeError: type object 'DistributedDataParallel' has no attribute '_active_ddp_module'
+    results = run_ranks(one_line_swap, 2)
+    assert_close_dicts(results[0], results[1], atol=0, rtol=0)
+    assert torch.nn.parallel.DistributedDataParallel is TorchDDP  # the parent's name is untouched

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ._torch import default_first_bucket_bytes, device_index, group_timeout
 from .buckets import MiB
 from .comm import GradBucket
 from .control import SyncError, bounded_wait
@@ -28,7 +29,7 @@ from .control import SyncError, bounded_wait
 # The initial broadcast copies at most this much into one flat tensor at a time (torch: 250 MiB)
 BROADCAST_CHUNK_BYTES = 25 * MiB
 DEFAULT_BUCKET_CAP_MB = 25.0
-DEFAULT_FIRST_BUCKET_CAP_MB = dist._DEFAULT_FIRST_BUCKET_BYTES / MiB if dist.is_available() else 1.0
+DEFAULT_FIRST_BUCKET_CAP_MB = default_first_bucket_bytes() / MiB
 
 # id(parameter) -> the live wrapper that owns it; an entry goes when its wrapper is collected
 _OWNER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
@@ -38,10 +39,7 @@ def resolve_timeout(timeout: timedelta | float | None, group: dist.ProcessGroup,
                     device: torch.device) -> timedelta:
     """Return ``timeout`` as a timedelta; None means the process group's own timeout."""
     if timeout is None:
-        try:
-            return group._get_backend(device).options._timeout
-        except (AttributeError, RuntimeError):
-            return dist.default_pg_timeout
+        return group_timeout(group, device)
     if isinstance(timeout, (int, float)):
         timeout = timedelta(seconds=timeout)
     if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
@@ -129,9 +127,8 @@ def resolve_device_ids(device_ids: Any, output_device: Any,
                 "For a CPU or multi-device module leave both None."
             )
         return None, None
-    from torch._utils import _get_device_index
-    ids = [_get_device_index(d, True) for d in device_ids]
-    return ids, _get_device_index(output_device if output_device is not None else device_ids[0], True)
+    ids = [device_index(d) for d in device_ids]
+    return ids, device_index(output_device if output_device is not None else device_ids[0])
 
 
 def describe(module: nn.Module) -> list[tuple]:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from . import works
+from ._torch import is_future
 
 
 class SyncError(RuntimeError):
@@ -27,7 +28,7 @@ class SyncError(RuntimeError):
 def bounded_wait(handle: Any, timeout: timedelta) -> None:
     """Wait for a ``dist.Work`` or a future; raise its error, or TimeoutError after ``timeout``."""
     works.hold(handle)  # gloo's thread must never drop its last reference (works.py)
-    if not isinstance(handle, torch._C.Future):
+    if not is_future(handle):
         handle.wait(timeout)
         return
     if not handle.done():

@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
-from torch.distributed.utils import _to_kwargs
 
+from ._torch import TorchDDP, foreach_mul_, to_kwargs
 from .comm import CommHook
 from .autocap import check_auto_cap_hook_state
 from .compile import active_ddp, bucket_bytes_caps, skip_wrapper_frames
@@ -87,7 +87,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         self.process_group = resolve_group(process_group, device_mesh)
         if device_mesh is not None:
             self.device_mesh = device_mesh
-        trainable = check_wrappable(module, (DistributedDataParallel, nn.parallel.DistributedDataParallel))
+        trainable = check_wrappable(module, (DistributedDataParallel, TorchDDP))
         delayed = dict(delay_all_reduce_named_params or ())
         reduced = [n for n, _ in trainable if n not in delayed]
         if not reduced:
@@ -180,9 +180,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
             self.reducer.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
             self._broadcast(buffers, src)
         if self.device_ids:  # a single-GPU module: inputs move to its device, as in torch
-            moved, moved_kwargs = _to_kwargs(inputs, kwargs, torch.device(self.device.type, self.device_ids[0]),
-                                             True)
-            inputs, kwargs = moved[0], moved_kwargs[0]
+            inputs, kwargs = to_kwargs(inputs, kwargs, torch.device(self.device.type, self.device_ids[0]))
         with active_ddp(self, self._first_bucket_bytes_cap):  # compiled frames split at bucket boundaries
             output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and not swapped:
@@ -304,7 +302,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
                 "on them inside that backward. Use mean losses over full windows, or remove overlap_optimizer.")
         grads = self.reducer.grad_tensors()
         if grads:
-            torch._foreach_mul_(grads, factor)
+            foreach_mul_(grads, factor)
 
     def grad_state_dict(self) -> dict[str, Any]:
         """Return this rank's gradients and the bucket layout: save both at every checkpoint.

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._torch import queue_end_of_backward
+
 
 class DelayedAllReduce:
     """Average ``params``' gradients in one flat all-reduce once ``trigger``'s gradient is ready.
@@ -34,11 +36,11 @@ class DelayedAllReduce:
         ddp = self._ddp()
         if ddp is not None and self._syncs_before is None:
             self._syncs_before = ddp.reducer.sync_count
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_reducer)
+            queue_end_of_backward(self._after_reducer)
 
     def _after_reducer(self) -> None:
         # queued once more: the reducer's end-of-backward may have been queued after this callback
-        torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+        queue_end_of_backward(self._reduce)
 
     @torch.no_grad()
     def _reduce(self) -> None:

@@ -22,8 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.join import Join as TorchJoin, JoinHook, _JoinConfig
+from torch.distributed.algorithms.join import Join as TorchJoin, JoinHook
 
+from ._torch import disabled_join_config
 from .comm import one_collective
 from .control import SyncError, empty_control
 from .reducer import Reducer
@@ -53,7 +54,7 @@ class DDPJoinHook(JoinHook):
         if ddp._join is not self:
             return
         ddp._join = None
-        ddp._join_config = _JoinConfig.construct_disabled_join_config()
+        ddp._join_config = disabled_join_config()
         ddp.reducer.active_ranks = None
         if self._own_hook and ddp.reducer.comm_hook is average_over_active_ranks:
             ddp.reducer.comm_hook = ddp.reducer.comm_state = None

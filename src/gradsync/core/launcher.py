@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._torch import is_future
 from .comm import GradBucket, issues_one_collective
 from .control import SyncError, bounded_wait
 from .header import check_header, header_tensor, payloads
@@ -70,7 +71,7 @@ class BucketLauncher:
         previous = self.buckets[bucket.index - 1].handle if bucket.index else None
         bucket.handle = self.issue(bucket.index, bucket.buffer, bucket.views, bucket.members, previous)
         if tracing:
-            fut = bucket.handle if isinstance(bucket.handle, torch._C.Future) else bucket.handle.get_future()
+            fut = bucket.handle if is_future(bucket.handle) else bucket.handle.get_future()
             times = bucket.times
             fut.add_done_callback(lambda _f: times.__setitem__("done", time.perf_counter()))
 
@@ -89,7 +90,7 @@ class BucketLauncher:
             buffer, views = torch.view_as_real(buffer).view(-1), [torch.view_as_real(v) for v in views]
         handle = self.comm_hook(self.comm_state, GradBucket(index, buffer, views, [self.params[i] for i in members],
                                                             index == len(self.buckets) - 1))
-        if not isinstance(handle, torch._C.Future):
+        if not is_future(handle):
             raise TypeError(
                 f"gradsync: the communication hook returned {type(handle).__name__} for bucket {index}; "
                 "it must return a torch.futures.Future of the reduced tensor"
@@ -110,7 +111,7 @@ class BucketLauncher:
     def _wait_bucket(self, bucket: Bucket) -> torch.Tensor:
         handle = bucket.handle
         self.wait(handle, f"bucket {bucket.index}")
-        if not isinstance(handle, torch._C.Future):
+        if not is_future(handle):
             return bucket.buffer
         result = handle.value()
         if isinstance(result, (list, tuple)) and len(result) == 1:

@@ -5,6 +5,8 @@ import threading
 
 import torch
 
+from ._torch import storage_base
+
 
 class BufferPool:
     """Flat buffers released by finished collectives, reused by the next ones (best fit, a view).
@@ -32,7 +34,7 @@ class BufferPool:
         with self._lock:
             for t in tensors:
                 if t is not None and t.device.type == "cpu":  # the GPU has a caching allocator
-                    self.free.append(t._base if t._base is not None else t)
+                    self.free.append(storage_base(t))
             self.free.sort(key=torch.Tensor.numel)
             del self.free[:max(0, len(self.free) - self.limit)]  # keep the biggest
 

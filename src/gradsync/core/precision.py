@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ._torch import version
 from .control import check_grad
 
 
@@ -64,7 +65,7 @@ class MainGrad:
         written = self._written[i]
         if p.grad is None:
             view.zero_()
-        elif not (written is not None and written[0]() is p.grad and p.grad._version == written[1]):
+        elif not (written is not None and written[0]() is p.grad and version(p.grad) == written[1]):
             check_grad(p.grad, torch.empty_like(p, device="meta"), self.names[i])
             view.copy_(p.grad.detach())
         self._fresh[i] = False
@@ -94,7 +95,7 @@ class MainGrad:
             p.grad = view
         else:
             p.grad = view.to(p.dtype, copy=True)
-        self._written[i] = (weakref.ref(p.grad), p.grad._version)
+        self._written[i] = (weakref.ref(p.grad), version(p.grad))
 
     def _link_main_grads(self, old_views: list[torch.Tensor] | None) -> None:
         """Point ``param.main_grad`` at the (new) slots, keeping their values across a re-plan."""

@@ -29,7 +29,7 @@ from . import guard
 from .autocap import AutoCaps
 from .buckets import plan_buckets
 from .comm import CommHook
-from .compile import in_compiled_autograd
+from ._torch import in_compiled_autograd, queue_end_of_backward
 from .finish import SyncEnd
 from .graph import reachable_params
 from .header import BACKWARD
@@ -164,7 +164,7 @@ class Reducer(SyncEnd, BucketStorage, BucketLauncher):
         if self._compiled_autograd:
             self._mark_unsynced()  # until its last bucket ends the sync: no optimizer step before
         else:
-            torch.autograd.Variable._execution_engine.queue_callback(self._finalize)
+            queue_end_of_backward(self._finalize)
         if self._pending_forwards == 0:  # no forward of the wrapper prepared it: local, as in torch
             self._warn_unprepared_backward()
         else:

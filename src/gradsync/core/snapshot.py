@@ -12,6 +12,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from ._torch import functional_call_code
+
 
 def snapshot(module: nn.Module) -> list[tuple]:
     return [(p, p.requires_grad, p.dtype, p.device) for p in module.parameters()]
@@ -64,5 +66,4 @@ def inside_functional_call() -> bool:
 
 
 def _functional_call_code():
-    from torch.nn.utils import stateless
-    return stateless._functional_call.__code__
+    return functional_call_code()

@@ -7,7 +7,8 @@ import warnings
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.algorithms.join import _JoinConfig
+
+from ._torch import disabled_join_config
 
 
 class TorchDDPExtras:
@@ -23,7 +24,7 @@ class TorchDDPExtras:
         attrs["_check_finite"] = self.reducer.check_finite
         for name in ("process_group", "reducer", "_join", "_delayed"):
             del attrs[name]
-        attrs["_join_config"] = _JoinConfig.construct_disabled_join_config()
+        attrs["_join_config"] = disabled_join_config()
         return attrs
 
     def __setstate__(self, state: dict[str, Any]) -> None:

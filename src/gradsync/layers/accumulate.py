@@ -19,11 +19,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..core._torch import foreach_mul_, saved_mean_reduction
 from .tree import flatten, narrow, row_bounds, unflatten
 from .window import _WindowOptimizer, _WindowScheduler
 
 _MEAN, _ITEMS = "mean loss", "num_items"
-_REDUCTION_MEAN = 1  # torch's at::Reduction: 0 none, 1 mean, 2 sum (saved by loss nodes)
 
 
 class GradientAccumulator:
@@ -183,7 +183,7 @@ class GradientAccumulator:
             return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if grads:
-            torch._foreach_mul_(grads, factor)
+            foreach_mul_(grads, factor)
 
     def _wait(self, work: Any) -> None:
         wait = getattr(getattr(self.model, "reducer", None), "wait", None)
@@ -295,12 +295,7 @@ def _as_count(num_items: Any, device: torch.device) -> torch.Tensor:
 
 def _is_mean(loss: Any) -> bool:
     """True when ``loss`` comes straight from a mean over more than one element."""
-    fn = getattr(loss, "grad_fn", None)
-    if fn is None:
-        return False
-    if type(fn).__name__ in ("MeanBackward0", "MeanBackward1"):
-        return getattr(fn, "_saved_self_sym_numel", 0) > loss.numel()
-    return getattr(fn, "_saved_reduction", None) == _REDUCTION_MEAN  # loss functions' reduction='mean'
+    return saved_mean_reduction(getattr(loss, "grad_fn", None), loss.numel())
 
 
 def _rows(leaves: list[Any]) -> int:

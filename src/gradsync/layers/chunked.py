@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..core._torch import BatchNormBase
 from .tree import flatten, row_bounds, unflatten
 
 
@@ -59,7 +60,7 @@ class Chunked(nn.Module):
 
     def _check_rows_independent(self) -> None:
         for name, m in self.module.named_modules():
-            if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training:
+            if isinstance(m, BatchNormBase) and m.training:
                 raise ValueError(
                     f"gradsync: Chunked module contains {type(m).__name__} '{name}' in training mode; "
                     "it mixes rows, so chunks would change its statistics (and recomputation would "

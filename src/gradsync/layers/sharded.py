@@ -6,11 +6,12 @@ steps the shards and all-gathers parameters is ``sharded_optim.py``.
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any
 
 import torch
 
+from ..core import process
+from ..core._torch import dynamo_frame_callback_set, foreach_mul_
 from ..core.ddp import DistributedDataParallel
 from .sharded_prefetch import compiling
 from .sharded_reducer import ShardedReducer
@@ -20,8 +21,7 @@ def _dynamo_active() -> bool:
     """True inside ``torch.compile``'s tracing or a compiled callable (Dynamo's frame callback is set)."""
     if compiling():
         return True
-    ef = getattr(sys.modules.get("torch._C._dynamo"), "eval_frame", None)
-    return ef is not None and ef.get_eval_frame_callback() not in (None, False)
+    return dynamo_frame_callback_set()
 
 
 class ShardedDataParallel(DistributedDataParallel):
@@ -88,7 +88,7 @@ class ShardedDataParallel(DistributedDataParallel):
         tensors = [b.grad_shard for b in self.reducer.buckets]
         tensors += [p.grad for p in self.reducer.params if p.grad is not None]
         tensors += [b.buffer for b in self.reducer.buckets if b.buffer is not None]  # reduce_dtype's window
-        torch._foreach_mul_(tensors, factor)
+        foreach_mul_(tensors, factor)
 
     def grad_state_dict(self) -> dict[str, Any]:
         """Return this rank's gradient shards and pending local gradients (rank-local state)."""
@@ -119,17 +119,10 @@ class ShardedDataParallel(DistributedDataParallel):
         return self.reducer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
 
-_skipped = False
-
-
 def _skip_frames() -> None:
     """Dynamo runs the wrapper and the prefetch waits eagerly, as it runs ``gradsync.core`` (core/compile.py)."""
-    global _skipped
-    if not _skipped:
-        import torch._dynamo.trace_rules as rules
-        rules.add(__name__)
-        rules.add(compiling.__module__)
-        _skipped = True
+    process.skip_in_dynamo(__name__)
+    process.skip_in_dynamo(compiling.__module__)
 
 
 __all__ = ["ShardedDataParallel"]

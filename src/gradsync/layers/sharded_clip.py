@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad
 
+from ..core._torch import foreach_mul_
+
 
 @torch.no_grad()
 def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
@@ -33,7 +35,7 @@ def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
                            "non-finite, so it cannot be clipped. Pass error_if_nonfinite=False "
                            "to clip anyway.")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    torch._foreach_mul_(shards, coef)
+    foreach_mul_(shards, coef)
     return total
 
 

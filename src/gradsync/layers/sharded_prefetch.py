@@ -27,6 +27,9 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ..core._torch import (pop_torch_function_mode, push_torch_function_mode, torch_function_disabled,
+                           torch_function_stack)
+
 _GETTERS = ("grad", "requires_grad", "shape", "dtype", "device", "is_leaf", "grad_fn", "ndim", "layout",
             "is_cuda", "is_sparse", "is_meta", "is_quantized", "names")
 _METHODS = ("size", "dim", "numel", "nelement", "stride", "element_size", "is_contiguous", "is_floating_point",
@@ -39,7 +42,7 @@ _METADATA = frozenset(
 
 
 def _stack() -> list[Any]:
-    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+    return torch_function_stack()
 
 
 def compiling() -> bool:
@@ -81,14 +84,14 @@ class Gathers:
 
     def defer(self, works: dict[int, list[Any]]) -> bool:
         """Leave ``works`` pending behind the mode; return False (nothing deferred) where it cannot."""
-        if not works or compiling() or torch._C._is_torch_function_all_disabled():
+        if not works or compiling() or torch_function_disabled():
             return False
         stack = _stack()
         if self._mode is None or self._thread != threading.get_ident() or self._mode not in stack:
             if stack:  # another mode's exit would pop ours
                 return False
             self._mode, self._thread = _WaitMode(self), threading.get_ident()
-            torch._C._push_on_torch_function_stack(self._mode)
+            push_torch_function_mode(self._mode)
         self.works.update(works)
         return True
 
@@ -132,9 +135,7 @@ class Gathers:
         self.wait_all()
         mode = self._mode
         if mode is not None and self._thread == threading.get_ident():
-            n = torch._C._len_torch_function_stack()
-            if n and torch._C._get_function_stack_at(n - 1) is mode:
-                torch._C._pop_torch_function_stack()
+            if pop_torch_function_mode(mode):
                 self._mode = self._thread = None
 
 
