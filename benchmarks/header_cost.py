@@ -3,7 +3,7 @@
     python benchmarks/header_cost.py                       # 2 ranks, writes results/header_cost.{json,md}
     python benchmarks/header_cost.py --reps 5 --out /tmp   # a quick look
 
-gradsync's DDP with headers, the same model with ``reducer.phase_headers = False`` and torch's
+gradsync's DDP with headers, the same model with ``reducer.plane.headers = False`` and torch's
 DDP, all three with gradient views, take turns window by window (the order is shuffled each round), on identical copies of each model. A synced
 backward costs one header (a 3W int64 all-reduce, waited before the first bucket launches), a
 training forward of a model with buffers one more (waited before the buffer broadcast). The
@@ -37,7 +37,7 @@ MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
 def variants(kw: dict) -> dict:
     def headerless(module):
         engine = GradsyncEngine(module, **kw)
-        engine.model.reducer.phase_headers = False
+        engine.model.reducer.plane.headers = False
         return engine
     return {"headers": lambda m: GradsyncEngine(m, **kw), "no headers": headerless,
             "torch": lambda m: TorchEngine(m, **kw)}

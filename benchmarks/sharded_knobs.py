@@ -14,7 +14,7 @@ def engine(inflight: int, pool: bool) -> type:
         def build(self, module):
             model = gradsync.ShardedDataParallel(module, bucket_cap_mb=4, first_bucket_cap_mb=1, max_inflight=inflight)
             if not pool:
-                model.reducer.pool.give = lambda *tensors: None
+                model.reducer.store.pool.give = lambda *tensors: None
             return model, gradsync.ShardedOptimizer(model, torch.optim.AdamW, lr=S.LR)
     return Knobs
 

@@ -95,7 +95,7 @@ def run_config(rank: int, world_size: int, config: str) -> dict:
     peak_rss = status_kib("VmHWM") - base
     params = nbytes(module.parameters())
     if sharded:  # staging buckets (filling, or reduce-scattering) at their peak
-        grad_peak += model.reducer.peak_staging_bytes
+        grad_peak += model.reducer.store.peak_staging_bytes
     state_bytes = nbytes(v for st in state.values() for v in st.values() if isinstance(v, torch.Tensor))
     windows_traced = trace[traced_before:]
     reduced = sum(b["bytes"] for it in windows_traced for b in it["buckets"]) / WINDOWS
@@ -104,7 +104,7 @@ def run_config(rank: int, world_size: int, config: str) -> dict:
     traffic = (reduced * (w - 1) / w + gathered * (w - 1) / w) if sharded else reduced * 2 * (w - 1) / w
     result = dict(params=params, grads=grad_peak, state=state_bytes, rss=peak_rss * 1024,
                   time=statistics.median(times), payload=reduced + gathered, traffic=traffic,
-                  staging=model.reducer.peak_staging_bytes if sharded else 0)
+                  staging=model.reducer.store.peak_staging_bytes if sharded else 0)
     del model, opt, state, module
     return result
 

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from gradsync.core.storage import BucketStorage
+from gradsync.core.store import BucketStore
 from gradsync.tools.bench import measure
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine, TorchViewsEngine
 from gradsync.tools.launch import run_ranks
@@ -29,15 +29,15 @@ class PreviousViews(GradsyncEngine):
 
     def wrap(self, module, cap, view):
         model = super().wrap(module, cap, view)
-        r = model.reducer
-        r._adopt_view = lambda i, divide=False: BucketStorage._adopt_view(r, i, False)
-        launch = r._launch
+        store, launcher = model.reducer.store, model.reducer.launcher
+        store._adopt_view = lambda i, divide=False: BucketStore._adopt_view(store, i, False)
+        launch = launcher.launch
 
-        def divide_then_launch(bucket):
-            if r.comm_hook is None:
-                bucket.buffer.div_(r.world_size)
-            launch(bucket)
-        r._launch = divide_then_launch
+        def divide_then_launch(bucket, buckets, traced):
+            if launcher.hook is None:
+                bucket.buffer.div_(store.world_size)
+            launch(bucket, buckets, traced)
+        launcher.launch = divide_then_launch
         return model
 
 

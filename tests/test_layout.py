@@ -82,3 +82,25 @@ def test_private_torch_apis_only_in_the_adapter():
                  if p.name != "_torch.py" and private_torch_names(p)}
     assert not offenders, offenders
     assert private_torch_names(PACKAGE / "core" / "_torch.py")  # the probe sees them
+
+
+def foreign_private_names(path: Path) -> list[str]:
+    """``x._name`` on anything but ``self``/``cls``, and ``_name`` imported from another module."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                found.append(f"{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom):
+            found += [f"{node.lineno}: import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_layers_use_the_seam_not_private_names():
+    """layers/ reach the core through core/seam.py's names (and torch through core/_torch.py)."""
+    offenders = {str(p.relative_to(PACKAGE)): foreign_private_names(p)
+                 for p in sorted((PACKAGE / "layers").rglob("*.py")) if foreign_private_names(p)}
+    assert not offenders, offenders
+    probe = PACKAGE / "core" / "join.py"  # the probe sees a core module's use of the wrapper's state
+    assert any("ddp._" in line for line in foreign_private_names(probe))

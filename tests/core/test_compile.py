@@ -232,3 +232,32 @@ def test_compiled_autograd_refuses_a_sync_it_could_not_finish():
     (kind, message, _), other = faults(unfinished)
     assert kind == "RuntimeError" and "compiled autograd" in message, message
     assert other[0] == "SyncError", other  # waited for rank 0's bucket, bounded: no hang, no crash
+
+
+MiB = 1024 * 1024
+
+
+class Wide(Net):
+    def __init__(self):
+        super().__init__(width=512, depth=4)  # 1 MiB per layer: caps 1, 4 and 16 MiB plan distinct buckets
+
+
+def auto_under_compile(rank, world_size):
+    model, run = build("outer", gradsync.DDP, Wide(), bucket_cap_mb="auto")
+    seen = []
+    for x, y in batches(16, world_size):
+        if model.bucket_choice is not None:
+            break
+        F.mse_loss(run(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        model.zero_grad(set_to_none=True)
+        # Dynamo's DDP optimizer splits graphs at bucket_bytes_cap: it must be the cap in use now
+        seen.append((model.bucket_bytes_cap, int(model.reducer.store.caps[0] * MiB)))
+    return seen, model.bucket_choice, model.bucket_bytes_cap
+
+
+def test_auto_cap_under_compile_keeps_graph_splits_in_step():
+    for seen, choice, final in run_ranks(auto_under_compile, 2, timeout=300):
+        assert choice is not None
+        assert all(split == used for split, used in seen), seen
+        assert len({used for _, used in seen}) > 1  # "auto" tried several caps, and the splits followed
+        assert final == int(choice["bucket_cap_mb"] * MiB)

@@ -148,3 +148,100 @@ def sharded_with_torch_optimizer(rank, world_size, sync):
 @pytest.mark.parametrize("sync", [True, False])
 def test_torch_optimizer_on_a_sharded_model_raises(sync):
     run_ranks(sharded_with_torch_optimizer, 2, sync)
+
+
+class Recording(torch.optim.SGD):
+    """SGD that remembers the closure its step() received (after the global pre-hooks ran)."""
+
+    def step(self, closure=None):
+        self.seen = closure
+        return super().step(closure)
+
+
+def unrelated_closure(rank, world_size):
+    model = gradsync.ShardedDataParallel(mlp())  # registers with the guard on any world size
+    other = torch.nn.Linear(3, 3)
+    opt = Recording(other.parameters(), lr=0.1)
+
+    def closure():
+        loss = other(torch.randn(2, 3)).sum()
+        loss.backward()
+        return loss
+    opt.step(closure)
+    assert opt.seen is closure  # no gradsync model touches it: the guard stays out of its way
+    opt.step(closure=closure)
+    assert opt.seen is closure
+    mine = Recording(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="gradsync.ShardedOptimizer"):
+        mine.step(lambda: model(torch.randn(4, 8)).sum().backward())  # checked after the closure
+    assert mine.seen is not None
+
+
+def test_an_optimizer_no_model_touches_gets_its_closure_unwrapped():
+    run_ranks(unrelated_closure, 1)
+
+
+class FakeReducer:
+    """What the guard asks of a reducer."""
+
+    def __init__(self, params):
+        self.params = list(params)
+        self.names = [f"p{i}" for i in range(len(self.params))]
+        self.wrapper_name, self.pending = "Fake", []
+
+    def unsynced_params(self):
+        return self.pending
+
+
+def registered_reducers(rank, world_size):
+    from gradsync.core import guard
+    owned, other = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
+    reducer = FakeReducer(owned.parameters())
+    guard.install(reducer)
+    mine, theirs = Recording(owned.parameters(), lr=0.1), Recording(other.parameters(), lr=0.1)
+
+    def closure():
+        reducer.pending = [0]  # the closure's backward leaves a gradient unsynchronized
+        guard.mark_unsynced(reducer)
+        return 0.0
+    theirs.step(closure)
+    assert theirs.seen is closure
+    owned.weight.grad = torch.ones_like(owned.weight)
+    with pytest.raises(RuntimeError, match=f"{UNSYNCED}.*'p0'"):
+        mine.step(closure)
+    guard.forget(reducer)  # the wrapper is gone: its parameters train locally
+
+    def plain():
+        return 0.0
+    mine.step(plain)
+    assert mine.seen is plain
+
+
+def test_only_optimizers_of_registered_reducers_get_their_closure_checked():
+    run_ranks(registered_reducers, 1)
+
+
+def unrelated_closure_ddp(rank, world_size):
+    model = gradsync.DistributedDataParallel(mlp())
+    other = torch.nn.Linear(3, 3)
+    opt = Recording(other.parameters(), lr=0.1)
+
+    def closure():
+        loss = other(torch.randn(2, 3)).sum()
+        loss.backward()
+        return loss
+    opt.step(closure)
+    unrelated = opt.seen is closure
+    mine = Recording(model.parameters(), lr=0.1)
+
+    def local_backward():  # a no_sync backward inside the closure: caught after it, before the update
+        with model.no_sync():
+            model(torch.randn(4, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="unsynchronized"):
+        mine.step(local_backward)
+    return unrelated, mine.seen is not local_backward
+
+
+def test_a_ddp_models_guard_leaves_other_optimizers_closures_alone():
+    for unrelated_untouched, own_checked in run_ranks(unrelated_closure_ddp, 2):
+        assert unrelated_untouched and own_checked

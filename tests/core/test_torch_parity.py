@@ -360,7 +360,7 @@ def set_static_graph_late(rank, world_size):
     model._set_static_graph()  # torch's private switch, before the first backward
     for k in range(2):
         step(model, rank, world_size, k)
-    learned = model.reducer._static_counts is not None
+    learned = model.reducer.expected.static_counts is not None
     with pytest.raises(RuntimeError, match="before training loop starts"):
         model._set_static_graph()
     return model.static_graph, learned, model._get_ddp_logging_data()["static_graph"]

@@ -84,7 +84,7 @@ def gated(rank, world_size):
         seen.append((tuple(members), gate.done()))
         if set(members) == first:
             gate.set_result(None)  # only now may the last bucket finish
-    model.reducer.bucket_reduced = observe
+    model.reducer.on_bucket_reduced(observe)
     x, y = batches(1, world_size)[0]
     shard_backward(model, rank, world_size, x, y)
     opt.step()
@@ -146,3 +146,43 @@ def sharded(rank, world_size):
 def test_sharded_models_are_refused():
     for kind, message, _ in run_ranks(sharded, 2):
         assert kind == "TypeError" and "ShardedOptimizer already steps" in message
+
+
+def clip_with_a_sharded_model(rank, world_size, sharded_first):
+    if sharded_first:
+        sharded = gradsync.ShardedDataParallel(mlp(seed=1))
+    model = gradsync.DDP(mlp(seed=0))
+    gradsync.overlap_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if not sharded_first:
+        sharded = gradsync.ShardedDataParallel(mlp(seed=1))
+    x, y = batches(1, world_size)[0]
+    shard_backward(model, rank, world_size, x, y)
+    refused = outcome(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    shard_backward(sharded, rank, world_size, x, y)
+    norm = torch.nn.utils.clip_grad.clip_grad_norm_(sharded.parameters(), 1e-3)  # .grad is None: the shards'
+    return refused[:2], norm.item()
+
+
+@pytest.mark.parametrize("sharded_first", [True, False], ids=["sharded_first", "overlap_first"])
+def test_clip_check_and_sharded_clipping_hold_in_either_order(sharded_first):
+    for (kind, message), norm in run_ranks(clip_with_a_sharded_model, 2, sharded_first):
+        assert kind == "RuntimeError" and "clip_grad_norm_ after a backward" in message, (kind, message)
+        assert norm > 1e-3
+
+
+def deleted(rank, world_size):
+    import gc
+    import weakref
+    model = gradsync.DDP(mlp(seed=0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gradsync.overlap_optimizer(model, opt)
+    shard_backward(model, rank, world_size, *batches(1, world_size)[0])
+    opt.step()
+    refs = [weakref.ref(model), weakref.ref(opt)]
+    del model, opt
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+def test_a_deleted_model_and_its_optimizer_are_freed():
+    assert run_ranks(deleted, 1) == [[True, True]]

@@ -35,7 +35,7 @@ def sharded_window(rank, world_size, steps, sync_each_batch, reduce_dtype):
                     whole = torch.zeros(b.numel, dtype=torch.float64)
                     for i, off in zip(b.members, b.offsets):
                         whole[off:off + reducer.params[i].numel()] = exact[reducer.names[i]].reshape(-1)
-                    start, end = reducer.shard_range(b)
+                    start, end = reducer.store.shard_range(b)
                     shard_err = max(shard_err, rel_err(b.grad_shard, whole[start:end]))
             opt.step()
             opt.zero_grad()

@@ -73,7 +73,7 @@ def against_torch(rank, world_size, kind, how, windows):
     held = sum(s[key].numel() for s in opt_a.optimizer.state.values())
     biggest = max(b.numel for b in ours.reducer.buckets) * 4
     return (params(ours.module), params(theirs.module), held, opt_a.state_dict(), opt_b.state_dict(),
-            ours.reducer.peak_staging_bytes, biggest, opt_a.param_groups[0]["lr"])
+            ours.reducer.store.peak_staging_bytes, biggest, opt_a.param_groups[0]["lr"])
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -93,7 +93,7 @@ def test_matches_torch_ddp_with_the_same_optimizer(world_size, kind, how):
             assert_close_dicts(state_a["state"][j], state_b["state"][j], atol=1e-5)
         # each bucket in flight holds its staging buffer and the all-to-all's output (both bucket-sized on
         # CPU), plus the bucket being filled: not all buckets
-        assert peak <= (2 * gradsync.layers.sharded_reducer.ShardedReducer.max_inflight + 1.5) * biggest
+        assert peak <= (2 * gradsync.layers.sharded.MAX_INFLIGHT + 1.5) * biggest
         assert lr == pytest.approx(0.01 * 0.7 ** windows if kind == "adamw" else 0.05 * 0.7 ** windows)
     assert sum(r[2] for r in results) == total  # the shards tile the state exactly
     for r in results[1:]:  # bit-for-bit agreement across ranks
@@ -325,3 +325,25 @@ def torch_clip(rank, world_size):
 
 def test_torch_clip_grad_norm_clips_the_shards():
     run_ranks(torch_clip, 2)
+
+
+def refuse_alone(rank, world_size):
+    """Only rank 0 constructs: a refusal that came after the construction's first collective would
+    meet no peer and end in a SyncError after ``timeout`` instead."""
+    if rank != 0:
+        return None
+    found = {}
+    for name, opts in (("view", dict(gradient_as_bucket_view=True)), ("auto", dict(bucket_cap_mb="auto")),
+                       ("finite", dict(check_finite=True))):
+        try:
+            gradsync.ShardedDataParallel(model(0), timeout=3, **opts)
+        except Exception as exc:  # noqa: BLE001 - the type is what the test checks
+            found[name] = (type(exc).__name__, str(exc))
+    return found
+
+
+def test_refusals_come_before_any_collective():
+    found = run_ranks(refuse_alone, 2)[0]
+    assert {name: kind for name, (kind, _) in found.items()} == {"view": "ValueError", "auto": "ValueError",
+                                                                  "finite": "ValueError"}, found
+    assert "gradient_as_bucket_view" in found["view"][1] and "check_finite" in found["finite"][1]

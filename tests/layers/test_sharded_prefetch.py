@@ -73,10 +73,10 @@ def out_of_order(rank, world_size):
     opts = [adamw(nets[0], True), adamw(nets[1], False)]
     reducer = nets[0].reducer
     waited = []
-    gathers = reducer.gathers
+    gathers = reducer.store.gathers
     wait_bucket = gathers.wait_bucket
     gathers.wait_bucket = lambda i: (waited.append(i), wait_bucket(i))
-    mid = reducer._bucket_of[[id(p) for p in reducer.params].index(id(nets[0].module.mid.weight))]
+    mid = reducer.store.bucket_of[[id(p) for p in reducer.params].index(id(nets[0].module.mid.weight))]
     data = batches(3, world_size, per_rank=4)
     results = []
     for x, y in data:

@@ -67,7 +67,7 @@ def inflight(rank, world_size, max_inflight, budget_buckets):
     opt_a, opt_b = optimizers("sgd", ours, theirs)
     train(rank, world_size, ours, theirs, opt_a, opt_b, 3, "sync_each_batch")
     r = ours.reducer
-    return params(ours.module), params(theirs.module), r.max_inflight_seen, r.peak_staging_bytes, biggest, \
+    return params(ours.module), params(theirs.module), r.launcher.max_inflight_seen, r.store.peak_staging_bytes, biggest, \
         len(r.buckets)
 
 
@@ -115,7 +115,7 @@ def pooled(rank, world_size):
     ours = gradsync.ShardedDataParallel(model(seed=rank), **CAPS)
     theirs = nn.parallel.DistributedDataParallel(model(seed=rank))
     opt_a, opt_b = optimizers("adamw", ours, theirs)
-    pool, known, new = ours.reducer.pool, set(), []
+    pool, known, new = ours.reducer.store.pool, set(), []
     take = pool.take
 
     def spy(numel, dtype, device):

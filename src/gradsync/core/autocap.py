@@ -88,9 +88,14 @@ def choose(rounds: dict[float, list[float]], default: float) -> float:
 
 
 class AutoCaps:
-    """The reducer's ``bucket_cap_mb="auto"`` state: time each candidate, then choose once."""
+    """The reducer's ``bucket_cap_mb="auto"`` state: time each candidate, then choose once.
 
-    def __init__(self, first_bucket_cap_mb: float | None):
+    It reads the reducer's parameters, trace and plan order, and changes the buckets only through
+    ``reducer.layout.replan`` (the store owns the caps in use; Dynamo's graph splits read them there).
+    """
+
+    def __init__(self, first_bucket_cap_mb: float | None, reducer):
+        self.reducer = reducer
         self.first_bucket_cap_mb = first_bucket_cap_mb  # the user's, or None for torch's default
         self.layouts: dict[float, list[list[int]]] | None = None
         self.default: float | None = None  # the candidate with DEFAULT_MB's layout
@@ -99,27 +104,29 @@ class AutoCaps:
         self.times: dict[float, list[float]] = {}
         self.choice: BucketChoice | None = None
         self._own_trace = False
+        self._start()
 
-    def start(self, reducer) -> None:
-        if reducer.trace is None:
-            reducer.trace, self._own_trace = [], True
+    def _start(self) -> None:
+        if self.reducer.trace is None:
+            self.reducer.trace, self._own_trace = [], True
 
     def keep_trace(self) -> None:
         """The user asked for the trace: leave it on after the choice."""
         self._own_trace = False
 
-    def observe(self, reducer, record: dict | None) -> None:
+    def observe(self, record: dict | None) -> None:
         """After a synced backward (``record`` None: not traced here, e.g. shadowed by a joined rank).
 
         Every rank takes part in every synced backward (a joined one shadows it), so every rank
         moves through the schedule, and reaches the closing all-reduce, at the same backward.
         """
+        params = self.reducer.params
         if self.layouts is None:  # the order is final by now: plan the schedule, time from the next one
-            order = self._order(reducer)
-            self.layouts = distinct_layouts(reducer.params, order, self.first_bucket_cap_mb)
-            self.default = default_cap(self.layouts, reducer.params, order, self.first_bucket_cap_mb)
+            order = self._order()
+            self.layouts = distinct_layouts(params, order, self.first_bucket_cap_mb)
+            self.default = default_cap(self.layouts, params, order, self.first_bucket_cap_mb)
             if len(self.layouts) == 1:  # every candidate plans the same buckets: nothing to time
-                self.finish(reducer, BucketChoice(
+                self.finish(BucketChoice(
                     bucket_cap_mb=self.default, first_bucket_cap_mb=first_cap(self.default, self.first_bucket_cap_mb),
                     default_mb=self.default, buckets={self.default: len(self.layouts[self.default])}))
                 return
@@ -127,17 +134,17 @@ class AutoCaps:
             self.times = {cap: [] for cap in self.layouts}
         elif record is not None and "backward_end" in record:
             self.times[self.current].append(record["backward_end"] - record["backward_start"])
-        if reducer.trace is None:  # switched off meanwhile: trace the next ones
+        if self.reducer.trace is None:  # switched off meanwhile: trace the next ones
             self._own_trace = False
-            self.start(reducer)
+            self._start()
         if self.schedule:
             self.current = self.schedule.pop(0)
-            self._apply(reducer, self.current)
+            self._apply(self.current)
         else:
-            self._agree(reducer)
+            self._agree()
 
-    def _agree(self, reducer) -> None:
-        caps = list(self.layouts)
+    def _agree(self) -> None:
+        reducer, caps = self.reducer, list(self.layouts)
         # a round this rank did not time (it shadowed that backward) counts 0: other ranks timed it
         times = torch.tensor([(self.times[c] + [0.0] * ROUNDS)[:ROUNDS] for c in caps],
                              dtype=torch.float64, device=reducer.device)
@@ -146,33 +153,31 @@ class AutoCaps:
                          "the automatic bucket cap's timings")
         rounds = {c: [1e3 * t for t in row] for c, row in zip(caps, times.tolist())}
         cap = choose(rounds, self.default)
-        self.finish(reducer, BucketChoice(
+        self.finish(BucketChoice(
             bucket_cap_mb=cap, first_bucket_cap_mb=first_cap(cap, self.first_bucket_cap_mb), default_mb=self.default,
             measured_ms={c: statistics.median(t) for c, t in rounds.items()}, rounds_ms=rounds,
             buckets={c: len(plan) for c, plan in self.layouts.items()}))
 
-    def resume(self, reducer, bucket_cap_mb: float, first_bucket_cap_mb: float) -> None:
-        """Take caps chosen before (an interrupted run's gradient state); the caller re-plans."""
+    def resume(self, bucket_cap_mb: float, first_bucket_cap_mb: float) -> tuple[float, float]:
+        """Take caps chosen before (an interrupted run's gradient state); return them for the re-plan."""
         self.choice = BucketChoice(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
         self.schedule, self.times = [], {}
         if self._own_trace:
-            reducer.trace, self._own_trace = None, False
-        reducer.bucket_cap_mb, reducer.first_bucket_cap_mb = bucket_cap_mb, first_bucket_cap_mb
+            self.reducer.trace, self._own_trace = None, False
+        return bucket_cap_mb, first_bucket_cap_mb
 
-    def finish(self, reducer, choice: BucketChoice) -> None:
-        """Re-plan ``reducer``'s buckets with ``choice``; tracing for this ends."""
-        self.resume(reducer, choice.bucket_cap_mb, choice.first_bucket_cap_mb)
+    def finish(self, choice: BucketChoice) -> None:
+        """Re-plan the buckets with ``choice``; tracing for this ends."""
+        caps = self.resume(choice.bucket_cap_mb, choice.first_bucket_cap_mb)
         self.choice = choice
-        reducer.load_plan_order(self._order(reducer))
+        self.reducer.layout.replan(self._order(), caps)
 
-    def _apply(self, reducer, cap: float) -> None:
-        reducer.bucket_cap_mb, reducer.first_bucket_cap_mb = cap, first_cap(cap, self.first_bucket_cap_mb)
-        reducer.load_plan_order(self._order(reducer))
+    def _apply(self, cap: float) -> None:
+        self.reducer.layout.replan(self._order(), (cap, first_cap(cap, self.first_bucket_cap_mb)))
 
-    @staticmethod
-    def _order(reducer) -> list[int]:
+    def _order(self) -> list[int]:
         # no observed order (find_unused_parameters keeps registration order): plan_buckets' default walk
-        return reducer.plan_order or list(range(len(reducer.params) - 1, -1, -1))
+        return self.reducer.store.plan_order or list(range(len(self.reducer.params) - 1, -1, -1))
 
 
 def syncs_to_choose(candidates: int) -> int:

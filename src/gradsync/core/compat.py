@@ -38,7 +38,9 @@ How it works, and why this way:
 * Subclasses of torch's class (user code, ``DistributedDataParallelCPU``) are left alone.
 * Activations nest (a counter); the last ``undo()`` puts torch's class back exactly as it was
   (its ``__dict__`` holds the very same objects again), and later constructions build
-  torch's own DDP again. ``undo()`` is idempotent per handle.
+  torch's own DDP again. ``undo()`` is idempotent per handle. While active, the redirect is the
+  process-wide effect ``replace-torch-ddp`` (core/process.py): ``uninstall_all()`` ends it and
+  spends every handle.
 * Processes started after activation by re-running a script (``torchrun``, Lightning's
   subprocess launcher) must activate it again in that script; forked children inherit it.
 """
@@ -50,6 +52,7 @@ from typing import Any
 
 from torch.nn.parallel.distributed import DistributedDataParallel as _TorchDDP
 
+from . import process
 from .ddp import DistributedDataParallel as _GradsyncDDP
 
 __all__ = ["replace_torch_ddp", "is_torch_ddp_replaced", "TorchDDPReplacement", "DistributedDataParallel"]
@@ -152,27 +155,48 @@ def _redirecting_init(self: Any, *args: Any, **kwargs: Any) -> None:
         _torch_init(self, *args, **kwargs)
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # re-entered: the effect's undo runs inside _uninstall
 _active = 0
+_generation = 0  # bumped when the redirect ends: handles from before are spent (process.uninstall_all())
+_EFFECT = "replace-torch-ddp"
 
 
-def _install() -> None:
+def _redirect() -> None:
+    if vars(_TorchDDP)["__init__"] is not _torch_init:
+        raise RuntimeError("gradsync: torch.nn.parallel.DistributedDataParallel.__init__ was replaced "
+                           "by someone else; replace_torch_ddp() will not stack on top of it")
+    _TorchDDP.__init__ = _redirecting_init  # type: ignore[method-assign]
+
+
+def _restore() -> None:
+    global _active, _generation
+    with _lock:
+        _TorchDDP.__init__ = _torch_init  # type: ignore[method-assign]
+        _active = 0
+        _generation += 1
+
+
+def _install() -> int:
+    """One more activation; return the generation the handle belongs to."""
     global _active
     with _lock:
         if _active == 0:
-            if vars(_TorchDDP)["__init__"] is not _torch_init:
-                raise RuntimeError("gradsync: torch.nn.parallel.DistributedDataParallel.__init__ was replaced "
-                                   "by someone else; replace_torch_ddp() will not stack on top of it")
-            _TorchDDP.__init__ = _redirecting_init  # type: ignore[method-assign]
+            process.install(process.Effect(
+                name=_EFFECT, apply=_redirect, undo=_restore,
+                reason="code written for torch's DDP (frameworks, a bound class) builds gradsync's "
+                       "wrapper; on request only (replace_torch_ddp())"))
         _active += 1
+        return _generation
 
 
-def _uninstall() -> None:
+def _uninstall(generation: int) -> None:
     global _active
     with _lock:
+        if generation != _generation:  # the redirect already ended (process.uninstall_all())
+            return
         _active -= 1
         if _active == 0:
-            _TorchDDP.__init__ = _torch_init  # type: ignore[method-assign]
+            process.uninstall(_EFFECT)
 
 
 def is_torch_ddp_replaced() -> bool:
@@ -184,18 +208,18 @@ class TorchDDPReplacement:
     """The handle ``replace_torch_ddp()`` returns: a context manager, or call ``undo()``."""
 
     def __init__(self) -> None:
-        _install()
+        self._generation = _install()
         self._active = True
 
     @property
     def active(self) -> bool:
-        return self._active
+        return self._active and self._generation == _generation
 
     def undo(self) -> None:
         """Stop redirecting torch's DDP for this handle; idempotent. Models already built stay gradsync's."""
         if self._active:
             self._active = False
-            _uninstall()
+            _uninstall(self._generation)
 
     def __enter__(self) -> TorchDDPReplacement:
         return self
@@ -204,7 +228,7 @@ class TorchDDPReplacement:
         self.undo()
 
     def __repr__(self) -> str:
-        return f"<gradsync.replace_torch_ddp {'active' if self._active else 'undone'}>"
+        return f"<gradsync.replace_torch_ddp {'active' if self.active else 'undone'}>"
 
 
 def replace_torch_ddp() -> TorchDDPReplacement:

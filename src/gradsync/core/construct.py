@@ -76,7 +76,7 @@ def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bo
     return sync, sync
 
 
-def resolve_auto_cap(bucket_cap_mb: Any, bucket_cap_mb_list: Any, reducer_class: type, wrapper: str) -> bool:
+def resolve_auto_cap(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> bool:
     """Return whether ``bucket_cap_mb="auto"`` was asked for; raise on what cannot go with it."""
     if not isinstance(bucket_cap_mb, str):
         return False
@@ -85,9 +85,6 @@ def resolve_auto_cap(bucket_cap_mb: Any, bucket_cap_mb_list: Any, reducer_class:
     if bucket_cap_mb_list is not None:
         raise ValueError("gradsync: bucket_cap_mb=\"auto\" chooses one cap for every bucket; it cannot go with "
                          "bucket_cap_mb_list. Pass one of them.")
-    if not reducer_class.replans_buckets:
-        raise ValueError(f"gradsync: {wrapper} lays its buckets out once, at construction, so it cannot "
-                         "choose the cap from measured backwards; pass bucket_cap_mb as a size in MiB")
     return True
 
 

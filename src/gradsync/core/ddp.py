@@ -27,7 +27,8 @@ from .control import SyncError, bounded_wait
 from .delay import DelayedAllReduce
 from .header import FORWARD
 from .join import DDPJoinHook, Join
-from .precision import resolve_reduce_dtype
+from .config import ReducerConfig, resolve_reduce_dtype
+from .grad_state import grad_state, load_grad_state
 from .reducer import Reducer
 from .snapshot import parameters_swapped, snapshot
 from .torch_extras import TorchDDPExtras
@@ -47,7 +48,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
     are written back. ``reduce_dtype`` (e.g. ``torch.float32`` for bf16 parameters) accumulates
     every micro-step's gradient and reduces in that dtype: after a synced backward
     ``param.main_grad`` is the average (a view into the bucket) and ``.grad`` its copy in the
-    parameter's dtype (``core/precision.py``).
+    parameter's dtype (``core/main_grad.py``).
 
     Accepted for compatibility, with no effect: ``batched_grad_copy`` (a CUDA kernel-launch
     optimization), ``skip_all_reduce_unused_params`` (buckets are reduced whole; gradients come out
@@ -58,7 +59,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
     reached ``param_to_hook_all_reduce`` ends. ``mixed_precision`` is not supported.
     """
 
-    reducer_class = Reducer  # subclasses swap in another reduction strategy (e.g. sharded)
+    sharded = False  # ShardedDataParallel: gradient shards (refusals in config.py, parts in make_reducer)
 
     def __init__(self, module: nn.Module, device_ids: Sequence[int | torch.device] | None = None,
                  output_device: int | torch.device | None = None, dim: int = 0,
@@ -101,42 +102,41 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
                                                                            forward_sync_buffers)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True  # False: the next forwards do not sync buffers
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
         self.device = trainable[0][1].device
-        self.timeout = resolve_timeout(timeout, self.process_group, self.device)
         self.world_size = dist.get_world_size(self.process_group)
-        auto = resolve_auto_cap(bucket_cap_mb, bucket_cap_mb_list, self.reducer_class, type(self).__name__)
+        auto = resolve_auto_cap(bucket_cap_mb, bucket_cap_mb_list)
         caps, first_cap = resolve_bucket_caps(None if auto else bucket_cap_mb, bucket_cap_mb_list,
                                               first_bucket_cap_mb)
-        self.bucket_bytes_cap, self._first_bucket_bytes_cap = bucket_bytes_caps(caps, first_cap)  # for Dynamo
+        # every refusal comes here, before the first collective (verify_same_model)
+        config = ReducerConfig(
+            bucket_cap_mb=caps, first_bucket_cap_mb=first_cap, auto_bucket_cap=auto,
+            user_first_bucket_cap_mb=first_bucket_cap_mb, find_unused_parameters=find_unused_parameters,
+            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+            timeout=resolve_timeout(timeout, self.process_group, self.device),
+            reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]), check_finite=check_finite,
+            sharded=self.sharded, wrapper_name=type(self).__name__)
         skip_wrapper_frames()
-        self._reducer_options = dict(
-            bucket_cap_mb=caps, first_bucket_cap_mb=first_cap, find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph, timeout=self.timeout,
-            reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]),
-            auto_bucket_cap=auto, auto_first_bucket_cap_mb=first_bucket_cap_mb)
         self._reduced_names = reduced
         self._delayed_names = list(delayed)
         self._delay_trigger = param_to_hook_all_reduce
-        self._check_finite = check_finite
         if init_sync:  # before the reducer allocates its buckets: peak memory is one model copy less
-            verify_same_model(module, self.process_group, self.timeout, self.device)
+            verify_same_model(module, self.process_group, config.timeout, self.device)
             if self.world_size > 1:
                 self._broadcast(list(module.parameters())
-                                + (list(module.buffers()) if init_sync_buffers else []))
+                                + (list(module.buffers()) if init_sync_buffers else []), timeout=config.timeout)
         self._param_snapshot = snapshot(module)
-        self._build_reducer()
+        self._build_reducer(config)
 
-    def _build_reducer(self) -> None:
+    def make_reducer(self, params: list[nn.Parameter], names: list[str], config: ReducerConfig) -> Reducer:
+        """Build the reducer over ``params``; a subclass plugs in another store and launcher (sharded)."""
+        return Reducer(params, names, self.process_group, config, should_sync=should_sync_of(self))
+
+    def _build_reducer(self, config: ReducerConfig) -> None:
         named = dict(self.module.named_parameters())
         params = [named[n] for n in self._reduced_names]
-        self.reducer = self.reducer_class(params, self._reduced_names, self.process_group,
-                                          should_sync=_weak_should_sync(self), **self._reducer_options)
-        self.reducer.check_finite = self._check_finite
+        self.reducer = self.make_reducer(params, list(self._reduced_names), config)
         weakref.finalize(self, self.reducer.remove_hooks)  # a deleted wrapper leaves no hooks behind
         self._join: DDPJoinHook | None = None  # set by join_hook() while a join is configured
         self._delayed = None
@@ -145,23 +145,25 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
             weakref.finalize(self, self._delayed.remove)
         claim(params + (self._delayed.params if self._delayed else []), self)
 
-    def _wait(self, work: dist.Work, what: str = "a broadcast of parameters or buffers") -> None:
+    def _wait(self, work: dist.Work, what: str = "a broadcast of parameters or buffers",
+              timeout: timedelta | None = None) -> None:
         reducer = self.__dict__.get("reducer")
         if reducer is not None:
             reducer.wait(work, what)
             return
         try:
-            bounded_wait(work, self.timeout)
+            bounded_wait(work, timeout)
         except Exception as exc:
             raise SyncError(
                 f"gradsync: rank {dist.get_rank(self.process_group)} waited for the initial broadcast of "
                 f"parameters and buffers and it failed or did not finish within "
-                f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died or raised "
+                f"{timeout.total_seconds():g}s: {exc}. Likely cause: another rank died or raised "
                 "while wrapping its model, or wraps a different number of models."
             ) from exc
 
-    def _broadcast(self, tensors: list[torch.Tensor], src_rank: int = 0) -> None:
-        broadcast_coalesced(tensors, self.process_group, self._wait, src_rank)
+    def _broadcast(self, tensors: list[torch.Tensor], src_rank: int = 0, timeout: timedelta | None = None) -> None:
+        wait = self._wait if timeout is None else lambda work: self._wait(work, timeout=timeout)
+        broadcast_coalesced(tensors, self.process_group, wait, src_rank)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if getattr(self, "_superseded", False):
@@ -177,11 +179,11 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         src = self._join.before_forward() if self._join_config.enable and self._join is not None else 0
         buffers = list(self.module.buffers()) if self._will_broadcast_buffers() else []
         if buffers:
-            self.reducer.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
+            self.reducer.plane.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
             self._broadcast(buffers, src)
         if self.device_ids:  # a single-GPU module: inputs move to its device, as in torch
             inputs, kwargs = to_kwargs(inputs, kwargs, torch.device(self.device.type, self.device_ids[0]))
-        with active_ddp(self, self._first_bucket_bytes_cap):  # compiled frames split at bucket boundaries
+        with active_ddp(self, bucket_bytes_caps(*self.reducer.store.caps)[1]):  # compiled frames split at bucket boundaries
             output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and not swapped:
             self.reducer.prepare_for_backward(output, self.module.training, self.require_backward_grad_sync)
@@ -267,20 +269,16 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Use ``hook(state, bucket) -> Future[Tensor]`` instead of the default averaging all-reduce."""
         check_comm_hook(hook)
-        if self.reducer.comm_hook is not None:
+        if self.reducer.launcher.hook is not None:
             raise RuntimeError("gradsync: register_comm_hook can only be called once")
         if self.reducer.backward_count > 0:
             raise RuntimeError("gradsync: register_comm_hook must be called before the first backward")
         check_auto_cap_hook_state(self.reducer.auto_caps, state)
-        self.reducer.comm_hook, self.reducer.comm_state = hook, state
+        self.reducer.launcher.set_hook(hook, state)
 
     def enable_comm_trace(self) -> list[dict]:
         """Start recording a per-bucket timeline of every synced backward; return the record list."""
-        if self.reducer.trace is None:
-            self.reducer.trace = []
-        if self.reducer.auto_caps is not None:  # "auto" traces while it chooses: keep tracing after
-            self.reducer.auto_caps.keep_trace()
-        return self.reducer.trace
+        return self.reducer.enable_trace()
 
     @property
     def comm_trace(self) -> list[dict] | None:
@@ -293,6 +291,17 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         auto = self.reducer.auto_caps
         return None if auto is None or auto.choice is None else auto.choice.as_dict()
 
+    def wait(self, handle: Any, what: str) -> None:
+        """Wait for a collective's Work or future, bounded by ``timeout``, naming ``what`` if it fails."""
+        self.reducer.wait(handle, what)
+
+    def carry_with_next_sync(self, value: float) -> Callable[[], list[float] | None] | None:
+        """Send ``value`` in the next synced backward's phase header (no collective of its own, so it
+        cannot pair with a different one on a rank that disagrees); return a reader of every rank's.
+        None: headers are switched off (a measurement), the caller exchanges the value itself."""
+        plane = self.reducer.plane
+        return plane.carry(value) if plane.headers else None
+
     def scale_grads_(self, factor: float) -> None:
         """Multiply every synchronized gradient by ``factor`` (used by the accumulator)."""
         if self.reducer.bucket_reduced is not None and factor != 1.0:
@@ -300,7 +309,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
                 "gradsync: gradients must be rescaled after the synced backward (GradientAccumulator "
                 "with num_items, or a window that ended early), but overlap_optimizer already stepped "
                 "on them inside that backward. Use mean losses over full windows, or remove overlap_optimizer.")
-        grads = self.reducer.grad_tensors()
+        grads = self.reducer.store.grad_tensors()
         if grads:
             foreach_mul_(grads, factor)
 
@@ -310,14 +319,14 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         Mid-window, the accumulated micro-steps are training state; the layout (re-planned after
         the first synced backward) decides the summation order of every later reduction.
         """
-        return self.reducer.grad_state()
+        return grad_state(self.reducer)
 
     def load_grad_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``grad_state_dict()`` of the same rank, before the first backward."""
-        self.reducer.load_grad_state(state)
+        load_grad_state(self.reducer, state)
 
 
-def _weak_should_sync(ddp: DistributedDataParallel) -> Callable[[], bool]:
+def should_sync_of(ddp: DistributedDataParallel) -> Callable[[], bool]:
     """The reducer's ``should_sync``, holding the wrapper weakly so that it can be collected."""
     method = weakref.WeakMethod(ddp._backward_syncs)
 

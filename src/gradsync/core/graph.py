@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from . import messages
+
 
 def reachable_params(outputs: Any, index_of: dict[int, int]) -> set[int]:
     """Return the indices (``index_of[id(param)]``) of parameters the outputs' graphs reach."""
@@ -39,3 +41,45 @@ def tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
             yield from tensors(getattr(obj, name))
+
+
+class Expected:
+    """Which parameters a synced backward expects gradients from: every one, those a forward's outputs
+    reach (``find_unused_parameters``), or each as often as in the first synced backward
+    (``static_graph``, learned there)."""
+
+    def __init__(self, index_of: dict[int, int]):
+        self.index_of = index_of
+        self.static_counts: list[int] | None = None  # static_graph: hooks per parameter, learned once
+        self.reachable: set[int] = set()  # find_unused_parameters: reached since the last synced backward
+
+    def note_forward(self, outputs: Any, config: Any) -> None:
+        if config.find_unused_parameters and not (config.static_graph and self.static_counts is not None):
+            self.reachable |= reachable_params(outputs, self.index_of)
+
+    def unused(self, n: int, config: Any) -> list[int]:
+        """Parameters this synced backward will not produce (ready at its start); resets ``reachable``."""
+        if config.static_graph and self.static_counts is not None:
+            unused = [i for i, c in enumerate(self.static_counts) if c == 0]
+        elif config.find_unused_parameters:
+            unused = [i for i in range(n) if i not in self.reachable]
+        else:
+            unused = []
+        self.reachable = set()
+        return unused
+
+    def ready_now(self, i: int, from_hook: bool, ready: list[bool], hook_counts: list[int], config: Any,
+                  name: str) -> bool:
+        """Whether parameter ``i`` is ready after this hook (``from_hook``) or forced mark; raise when
+        the graph did not behave as promised."""
+        if not config.static_graph:
+            if ready[i]:
+                raise RuntimeError(messages.ready_twice(name))
+            return True
+        hook_counts[i] += from_hook
+        if self.static_counts is None:
+            return False  # first synced backward: learn how often each hook fires, launch at the end
+        expected = self.static_counts[i]
+        if hook_counts[i] > expected:
+            raise RuntimeError(messages.static_graph_extra(name, hook_counts[i], expected))
+        return not (from_hook and hook_counts[i] < expected)

@@ -5,6 +5,8 @@ wrapper's forward) marks itself here; the end of its next synced backward unmark
 global optimizer-step pre-hook (torch calls it for every optimizer) asks the marked reducers
 whether the optimizer's parameters hold such gradients and raises before anything changes.
 With no reducer marked, which is every step of a correct loop, the hook only tests two sets.
+A step with a closure is checked after the closure (whose backward may be the synced one), but
+only for an optimizer that steps parameters of a reducer known here: others pay nothing.
 Reducers whose parameters only their own optimizer may step (sharded gradients: ``.grad`` is
 None after a synced backward, so a plain optimizer would silently do nothing) register as
 exclusive and are asked about every step that touches their parameters.
@@ -17,24 +19,55 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-_unsynced: weakref.WeakSet = weakref.WeakSet()  # a deleted wrapper's reducer drops out by itself
+from . import process
+
+_known: weakref.WeakSet = weakref.WeakSet()  # every reducer the guard knows of; a deleted one drops out
+_unsynced: weakref.WeakSet = weakref.WeakSet()
 _exclusive: weakref.WeakSet = weakref.WeakSet()
+_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # reducer -> frozenset of its parameter ids
 _cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _entry()
-_version = 0  # bumped when _exclusive changes: cached entries recompute what they touch
+_version = 0  # bumped when _known or _exclusive changes: cached entries recompute what they touch
+_anyone = False  # install() was called without a reducer: wrap every closure, as we cannot tell
 _handle: Any = None
 
 
-def install() -> None:
-    """Register the global optimizer-step pre-hook (once per process)."""
-    global _handle
+def install(reducer: Any = None) -> None:
+    """Register the global optimizer-step pre-hook (once per process) and, if given, ``reducer``:
+    the closures of the optimizers that step its parameters are checked after they run."""
+    global _anyone
+    if reducer is None:
+        _anyone = True
+    else:
+        _know(reducer)
     if _handle is None:
-        _handle = register_optimizer_step_pre_hook(_check_step)
+        process.install(process.Effect(
+            name="optimizer-step-guard", apply=_register, undo=_unregister,
+            reason="an optimizer step on gradsync parameters whose gradients were not synchronized "
+                   "would let the replicas drift apart silently; it raises before anything changes"))
+
+
+def _register() -> None:
+    global _handle
+    _handle = register_optimizer_step_pre_hook(_check_step)
+
+
+def _unregister() -> None:
+    global _handle
+    _handle.remove()
+    _handle = None
+
+
+def _know(reducer: Any) -> None:
+    global _version
+    if reducer not in _known:
+        _known.add(reducer)
+        _version += 1
 
 
 def mark_unsynced(reducer: Any) -> None:
     """Note that ``reducer``'s parameters may hold gradients that were not reduced yet."""
     _unsynced.add(reducer)
-    install()
+    install(reducer)
 
 
 def mark_synced(reducer: Any) -> None:
@@ -46,20 +79,28 @@ def mark_exclusive(reducer: Any) -> None:
     global _version
     _exclusive.add(reducer)
     _version += 1
-    install()
+    install(reducer)
 
 
 def forget(reducer: Any) -> None:
     """The wrapper is gone: its parameters train locally from now on."""
     global _version
     _unsynced.discard(reducer)
-    if reducer in _exclusive:
+    if reducer in _known or reducer in _exclusive:
+        _known.discard(reducer)
         _exclusive.discard(reducer)
         _version += 1
 
 
+def _ids_of(reducer: Any) -> frozenset:
+    ids = _ids.get(reducer)
+    if ids is None:
+        ids = _ids[reducer] = frozenset(id(p) for p in reducer.params)
+    return ids
+
+
 def _entry(optimizer: torch.optim.Optimizer) -> list:
-    """[signature, parameter ids, exclusive-set version, exclusive reducers touched], cached."""
+    """[signature, parameter ids, version, exclusive reducers touched, touched by a known reducer], cached."""
     groups = optimizer.param_groups
     signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
     try:
@@ -67,13 +108,14 @@ def _entry(optimizer: torch.optim.Optimizer) -> list:
     except TypeError:  # not weak-referenceable: no cache
         entry = None
     if entry is None or entry[0] != signature:
-        entry = [signature, frozenset(id(p) for g in groups for p in g["params"]), -1, ()]
+        entry = [signature, frozenset(id(p) for g in groups for p in g["params"]), -1, (), False]
         try:
             _cache[optimizer] = entry
         except TypeError:
             pass
     if entry[2] != _version:
-        entry[3] = tuple(weakref.ref(r) for r in _exclusive if not r._index_of.keys().isdisjoint(entry[1]))
+        entry[3] = tuple(weakref.ref(r) for r in _exclusive if not _ids_of(r).isdisjoint(entry[1]))
+        entry[4] = any(not _ids_of(r).isdisjoint(entry[1]) for r in list(_known))
         entry[2] = _version
     return entry
 
@@ -83,6 +125,8 @@ def _check_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
     if not callable(closure):
         _check(optimizer)
         return None
+    if not _anyone and not (_known and _entry(optimizer)[4]):
+        return None  # no gradsync model touches this optimizer: its closure reaches it untouched
 
     # The closure's backward may be the window's synced one (Lightning steps that way): check
     # after it, still before the optimizer updates anything.
@@ -98,7 +142,7 @@ def _check_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
 def _check(optimizer: torch.optim.Optimizer) -> None:
     if not (_unsynced or _exclusive):
         return
-    _, ids, _, touched = _entry(optimizer)
+    _, ids, _, touched, _ = _entry(optimizer)
     for ref in touched:
         reducer = ref()
         if reducer is not None:

@@ -43,9 +43,10 @@ class DDPJoinHook(JoinHook):
         self.expect_sync: bool | None = None
         self._own_hook = False
         reducer = ddp.reducer
-        if not divide_by_initial_world_size and reducer.comm_hook is None:
+        if not divide_by_initial_world_size and reducer.launcher.hook is None:
             # like torch, the divisor applies to the default reduction only; a user's hook divides itself
-            reducer.comm_hook, reducer.comm_state, self._own_hook = average_over_active_ranks, self, True
+            reducer.launcher.set_hook(average_over_active_ranks, self)
+            self._own_hook = True
         ddp._join = self
 
     def close(self) -> None:
@@ -55,9 +56,9 @@ class DDPJoinHook(JoinHook):
             return
         ddp._join = None
         ddp._join_config = disabled_join_config()
-        ddp.reducer.active_ranks = None
-        if self._own_hook and ddp.reducer.comm_hook is average_over_active_ranks:
-            ddp.reducer.comm_hook = ddp.reducer.comm_state = None
+        ddp.reducer.plane.active_ranks = None
+        if self._own_hook and ddp.reducer.launcher.hook is average_over_active_ranks:
+            ddp.reducer.launcher.set_hook(None, None)
 
     # ------------------------------------------------------------ active rank
     def before_forward(self) -> int:
@@ -68,7 +69,7 @@ class DDPJoinHook(JoinHook):
             ddp.reducer.wait(work, "the join notification")
         will_sync = ddp.require_backward_grad_sync and torch.is_grad_enabled()
         active, syncs, _ = self._handshake(True, will_sync, ddp._will_broadcast_buffers())
-        ddp.reducer.active_ranks = active
+        ddp.reducer.plane.active_ranks = active
         self.expect_sync = syncs if torch.is_grad_enabled() else None
         return active[0]
 
@@ -91,10 +92,10 @@ class DDPJoinHook(JoinHook):
                 f"gradsync: joined rank {ddp.reducer.rank} expected a forward of the model on the active "
                 "ranks and saw none: inside Join([...]) the model must come first, and each active "
                 "rank's iteration must start with its forward")
-        ddp.reducer.active_ranks = active
+        ddp.reducer.plane.active_ranks = active
         buffers = list(ddp.module.buffers())
         if broadcasts and buffers:
-            ddp.reducer.exchange_header(0)
+            ddp.reducer.plane.exchange_header(0)
             ddp._broadcast(buffers, active[0])
         if syncs:
             shadow_backward(ddp.reducer)
@@ -107,9 +108,9 @@ class DDPJoinHook(JoinHook):
         if ddp.forward_sync_buffers:
             tensors += list(ddp.module.buffers())
         # the counters the end-of-backward check compares: joined ranks ran fewer passes
-        counters = torch.tensor([reducer.backward_count, reducer.forward_count], device=reducer.device)
+        counters = torch.tensor([reducer.counters.backward, reducer.counters.forward], device=reducer.device)
         ddp._broadcast(tensors + [counters], ddp._authoritative_rank)
-        reducer.backward_count, reducer.forward_count = counters.tolist()
+        reducer.counters.backward, reducer.counters.forward = counters.tolist()
         self.close()
 
     def _handshake(self, active: bool, will_sync: bool,
@@ -161,7 +162,7 @@ class Join(TorchJoin):
 def average_over_active_ranks(join: DDPJoinHook, bucket: Any) -> torch.futures.Future:
     """The default reduction with ``divide_by_initial_world_size=False``: sum / active ranks."""
     reducer = join.ddp.reducer
-    active = reducer.active_ranks
+    active = reducer.plane.active_ranks
     buffer = bucket.buffer()
     buffer.div_(len(active) if active else reducer.world_size)  # divide first: keeps sums in range
     return dist.all_reduce(buffer, group=reducer.group, async_op=True).get_future().then(
@@ -170,26 +171,24 @@ def average_over_active_ranks(join: DDPJoinHook, bucket: Any) -> torch.futures.F
 
 def shadow_backward(reducer: Reducer) -> None:
     """Take part in the active ranks' synced backward with zero gradients."""
-    reducer.exchange_header(0)
+    reducer.plane.exchange_header(0)
     works: list = []
-    for b in reducer.buckets:
+    launcher, buckets = reducer.launcher, reducer.buckets
+    for b in buckets:
         zeros = torch.zeros_like(b.buffer)
         views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
-        works.append(reducer.issue(b.index, zeros, views, b.members, works[-1] if works else None))
+        works.append(launcher.issue(b.index, zeros, views, b.members, works[-1] if works else None,
+                                    b.index == len(buckets) - 1))
     control = empty_control(reducer.world_size, len(reducer.params), reducer.device)
-    control_work = reducer.launch_control(control, works)
-    for b, work in zip(reducer.buckets, works):
+    launcher.before_control(works)
+    control_work = reducer.plane.launch_control(control)
+    for b, work in zip(buckets, works):
         reducer.wait(work, f"bucket {b.index} (shadowed by a joined rank)")
     reducer.wait(control_work, "the end-of-backward check (shadowed by a joined rank)")
-    if int(control[-1]) != len(reducer.active_ranks or ()):
+    if int(control[-1]) != len(reducer.plane.active_ranks or ()):
         raise SyncError(
             f"gradsync: joined rank {reducer.rank} shadowed a synced backward, but the active ranks "
             "ran a different sequence of collectives (a forward with gradients enabled must be "
             "followed by exactly one backward inside model.join())"
         )
-    reducer.sync_count += 1
-    if not reducer._rebuilt:  # the active ranks re-plan buckets after their first synced backward
-        reducer._ready_order = reducer._ready_order or []
-        reducer._rebuild_buckets()
-    if reducer.auto_caps is not None and reducer.auto_caps.choice is None:
-        reducer.auto_caps.observe(reducer, None)  # and time bucket_cap_mb="auto"'s candidates
+    reducer.after_shadowed_sync()  # re-plans, and times bucket_cap_mb="auto"'s candidates, as the others do

@@ -7,12 +7,17 @@ checks both). ``docs/differences.md`` lists them for users.
 """
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import torch
+import torch.nn.utils.clip_grad
 
 from . import _torch
 
@@ -144,4 +149,79 @@ def skip_in_dynamo(module_name: str) -> None:
                           "counters and flags would become guards and recompile at every no_sync switch"))
 
 
-__all__ = ["Effect", "install", "installed", "skip_in_dynamo", "uninstall", "uninstall_all"]
+# ---------------------------------------------------------------- torch.nn.utils.clip_grad_norm_
+# Users clip with torch's function. Its answer is wrong for some gradsync models (a sharded model's
+# .grad is None: it would clip nothing and return 0; after an overlapped step clipping is too late),
+# so one patch asks every owner in turn. Explicit is preferred: model.clip_grad_norm_(max_norm).
+class ClipOwner(Protocol):
+    def clip_grad_norm_for(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+                           error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor | None:
+        """The total norm if these parameters are this owner's to clip (clipped), None if none are
+        its own; raise to refuse (part of its parameters, or clipping makes no sense now)."""
+
+
+_clip_owners: dict[int, weakref.ref] = {}  # id -> weak reference, in the order owners claimed
+_CLIP = "clip_grad_norm_"
+_CLIP_NAMES = ((torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_"))
+
+
+def claim_clip_grad_norm(owner: ClipOwner) -> None:
+    """Ask ``owner`` first whenever ``torch.nn.utils.clip_grad_norm_`` runs, while it lives."""
+    key = id(owner)
+    if key not in _clip_owners:
+        _clip_owners[key] = weakref.ref(owner, lambda _, key=key: _drop_clip_owner(key))
+    install(Effect(name=_CLIP, apply=_patch_clip, undo=_unpatch_clip,
+                   reason="torch's function reads .grad: for a sharded model it would clip nothing, "
+                          "after an overlapped optimizer step it would clip too late"))
+
+
+def release_clip_grad_norm(owner: ClipOwner) -> None:
+    """Stop asking ``owner``; the patch goes with the last owner."""
+    ref = _clip_owners.get(id(owner))
+    if ref is not None and ref() is owner:
+        _drop_clip_owner(id(owner))
+
+
+def _drop_clip_owner(key: int) -> None:
+    _clip_owners.pop(key, None)
+    if not _clip_owners:
+        uninstall(_CLIP)
+
+
+_clip_saved: list[tuple[Any, str, Any, Any]] = []  # (module, name, what it held, our replacement)
+
+
+def _patch_clip() -> None:
+    made: dict[int, Any] = {}  # one replacement per original: both names usually hold the same function
+    for module, name in _CLIP_NAMES:
+        original = getattr(module, name)
+        if id(original) not in made:
+            made[id(original)] = _asking_owners(original)
+        _clip_saved.append((module, name, original, made[id(original)]))
+        setattr(module, name, made[id(original)])
+
+
+def _unpatch_clip() -> None:
+    while _clip_saved:
+        module, name, original, ours = _clip_saved.pop()
+        if getattr(module, name) is ours:  # someone who patched on top of us keeps theirs (ours passes through)
+            setattr(module, name, original)
+
+
+def _asking_owners(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+        owners = [o for o in (ref() for ref in list(_clip_owners.values())) if o is not None]
+        if owners:
+            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+            for owner in owners:
+                norm = owner.clip_grad_norm_for(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+                if norm is not None:
+                    return norm
+        return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    return clip_grad_norm_
+
+
+__all__ = ["ClipOwner", "Effect", "claim_clip_grad_norm", "install", "installed", "release_clip_grad_norm",
+           "skip_in_dynamo", "uninstall", "uninstall_all"]

@@ -1,17 +1,18 @@
-"""Per-iteration gradient reduction: readiness tracking and the end of backward.
+"""The reducer: per-iteration state machine from a gradient's hook to the end of backward.
 
 The reducer knows parameters, buckets and a process group; it knows nothing about modules or
-optimizers. Each parameter gets a post-accumulate-grad hook. In a synced backward a ready
-gradient is copied into its bucket slot, and buckets are launched strictly in index order on
-every rank, so collectives pair up across ranks even when hooks fire in different orders. The
-end of backward is caught with the autograd engine's queued callback, where the reducer waits
-(bounded) for every bucket and writes the averages back into ``.grad``. Bucket memory lives in
-``storage.py``, launches and waits in ``launcher.py``, the end of a synced backward (waits,
-checks, write-back) in ``finish.py``; this file is the state machine.
+optimizers. It is composed of owned parts, each built here with explicit arguments:
 
-Each synced backward starts with the phase header of ``header.py`` (ranks in different phases
-raise instead of waiting for the timeout) and ends with the control all-reduce of
-``control.py``, which checks the counters again and finds missing or unused gradients.
+- ``store`` (``store.py``): bucket memory: copy-in, write-back, re-plan;
+- ``launcher`` (``launcher.py``): the data plane: a bucket's collective and its result;
+- ``plane`` (``plane.py``): the control plane: phase headers, the end-of-backward control, waits;
+- ``it`` (``IterationState``): what one backward has seen so far.
+
+One gradient's path: its post-accumulate-grad hook calls ``on_grad_ready``; in a synced backward
+``store.copy_in`` puts it in its bucket slot; a bucket whose members are all ready launches, in
+index order on every rank (``_launch_ready``); the end of backward (the autograd engine's queued
+callback) waits for every bucket, checks the control all-reduce, and ``store.write_back`` makes
+``.grad`` the average (``_finish_sync``).
 """
 from __future__ import annotations
 
@@ -19,238 +20,305 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from datetime import timedelta
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from . import guard
-from .autocap import AutoCaps
-from .buckets import plan_buckets
-from .comm import CommHook
+from . import guard, messages
 from ._torch import in_compiled_autograd, queue_end_of_backward
-from .finish import SyncEnd
-from .graph import reachable_params
+from .autocap import AutoCaps
+from .config import ReducerConfig
+from .control import check_agreement, check_finite, check_missing, control_tensor, used_counts
+from .graph import Expected
 from .header import BACKWARD
 from .launcher import BucketLauncher
-from .storage import BucketStorage
+from .layout import Layout
+from .plane import ControlPlane, Counters
+from .store import BucketStore
 
 
-class Reducer(SyncEnd, BucketStorage, BucketLauncher):
-    """Per-iteration state machine; bucket memory in ``BucketStorage``, launches in ``BucketLauncher``,
-    the end of a synced backward in ``SyncEnd``."""
+@dataclass
+class IterationState:
+    """What the current backward has seen; replaced at the start of each synced backward."""
 
-    wrapper_name = "DistributedDataParallel"  # named by the unsynchronized-step error
-    _compiled_autograd = False  # the current backward runs under compiled autograd (compile.py)
-    replans_buckets = True  # False: buckets are fixed at construction (no re-plan, no "auto" cap)
+    in_backward: bool = False
+    syncing: bool = False
+    compiled_autograd: bool = False  # under compiled autograd no queued callback runs (compile.py)
+    ready: list[bool] = field(default_factory=list)
+    hook_counts: list[int] = field(default_factory=list)
+    next_launch: int = 0  # the lowest bucket index not launched yet
+    record: dict | None = None  # this backward's comm trace, when tracing
 
-    def __init__(
-        self,
-        params: Sequence[torch.nn.Parameter],
-        names: Sequence[str],
-        process_group: dist.ProcessGroup,
-        *,
-        should_sync: Callable[[], bool],
-        bucket_cap_mb: float = 25.0,
-        first_bucket_cap_mb: float = 1.0,
-        find_unused_parameters: bool = False,
-        gradient_as_bucket_view: bool = False,
-        static_graph: bool = False,
-        timeout: timedelta,
-        reduce_dtype: torch.dtype | None = None,
-        auto_bucket_cap: bool = False,
-        auto_first_bucket_cap_mb: float | None = None,
-    ):
-        self.params = list(params)
-        self.names = list(names)
-        self.device = self.params[0].device  # where small control tensors live: NCCL needs the GPU
+
+class Reducer:
+    """Runs the state machine and calls its parts; see the module docstring."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group: dist.ProcessGroup,
+                 config: ReducerConfig, *, should_sync: Callable[[], bool], store: Any = None,
+                 launcher: Callable[[ControlPlane], Any] | None = None):
+        """``store`` and ``launcher`` (a factory given the control plane) replace the full-size
+        all-reduce parts (``ShardedDataParallel`` plugs in its own)."""
+        self.params, self.names = list(params), list(names)
+        self.config = config
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
+        self.device = self.params[0].device  # where small control tensors live: NCCL needs the GPU
         self.should_sync = should_sync
-        self.bucket_cap_mb = bucket_cap_mb
-        self.first_bucket_cap_mb = first_bucket_cap_mb
-        self.find_unused_parameters = find_unused_parameters
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.static_graph = static_graph
-        self.reduce_dtype = reduce_dtype  # see precision.py
-        self.timeout = timeout
-        self.comm_hook: CommHook | None = None
-        self.comm_state: Any = None
+        self.counters = Counters()
+        self.plane = ControlPlane(process_group, rank=self.rank, world_size=self.world_size, device=self.device,
+                                  timeout=config.timeout, counters=self.counters)
+        self.store = store or BucketStore(self.params, self.names, world_size=self.world_size, caps=config.caps,
+                                          reduce_dtype=config.reduce_dtype,
+                                          gradient_as_bucket_view=config.gradient_as_bucket_view)
+        self.launcher = launcher(self.plane) if launcher else BucketLauncher(process_group, self.plane, self.params)
+        self.it = IterationState()
         self.trace: list[dict] | None = None  # set to [] to record a timeline per synced backward
-        self.check_finite = False  # check each reduced bucket for NaN/inf before writing back
-        self.active_ranks: list[int] | None = None  # set per forward inside DDP.join(); None: all
-        self.bucket_reduced: Callable[[list[int]], None] | None = None  # overlap_optimizer's per-bucket step
-        self.auto_caps = AutoCaps(auto_first_bucket_cap_mb) if auto_bucket_cap else None  # autocap.py
-        if self.auto_caps is not None:
-            self.auto_caps.start(self)
-
+        self.bucket_reduced: Callable[[list[int]], None] | None = None  # see on_bucket_reduced
         n = len(self.params)
-        self.backward_count = 0  # every backward, synced or not: the divergence check compares it
-        self.sync_count = 0
-        self.forward_count = 0  # training forwards with grad enabled: catches skipped backwards
-        self._in_backward = False
-        self._syncing = False
-        self._warned_ignored = False
-        self._pending_forwards = 0  # forwards (or prepare_for_backward calls) not yet followed by a backward
+        self.index_of = {id(p): i for i, p in enumerate(self.params)}
+        self.window_used = [False] * n  # used locally since the last synced backward
+        self._pending_forwards = 0  # forwards not yet followed by a backward
         self._armed = False  # the latest forward wanted its backward to synchronize
-        self._window_used = [False] * n  # used locally since the last synced backward
-        self._fresh = [True] * n  # reduce_dtype: the next gradient replaces the slot (precision.py)
-        self._ready = [False] * n
-        self._hook_counts = [0] * n
-        self._static_counts: list[int] | None = None  # learned in the first synced backward
-        self._reachable: set[int] = set()
-        self._index_of = {id(p): i for i, p in enumerate(self.params)}
-        self._ready_order: list[int] | None = None
-        self._rebuilt = False
-        self._next_launch = 0
-        self._iter_trace: dict | None = None
-
-        self._build_buckets(plan_buckets(self.params, bucket_cap_mb, first_bucket_cap_mb))
-        # the hooks hold the reducer weakly: parameters outlive a wrapper that was deleted
-        me = weakref.ref(self)
+        self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
+        self._warned_ignored = False
+        self.layout = Layout(self.store, self.plane, process_group, config)
+        self.auto_caps = AutoCaps(config.user_first_bucket_cap_mb, self) if config.auto_bucket_cap else None
+        self.layout.auto = self.auto_caps
+        me = weakref.ref(self)  # the hooks hold the reducer weakly: parameters outlive a deleted wrapper
         self._handles = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self.params)]
+        if self.store.exclusive:
+            guard.mark_exclusive(self)
         if self.world_size > 1:
-            guard.install()  # now, not at the first local backward: a step's closure may run that
+            guard.install(self)  # now, not at the first local backward: a step's closure may run that
+
+    # ---------------------------------------------------------------- what the layers may use (seam.py)
+    buckets = property(lambda self: self.store.buckets)
+    sync_count = property(lambda self: self.counters.sync)
+    backward_count = property(lambda self: self.counters.backward)
+    is_sharded = property(lambda self: self.store.sharded)
+    wrapper_name = property(lambda self: self.config.wrapper_name)  # named by the step guard's error
+
+    def bucket_plan(self) -> list[list[int]]:
+        """The current buckets as lists of parameter indices."""
+        return self.store.plan()
+
+    def wait(self, handle: Any, what: str) -> None:
+        """Wait for a Work or Future, bounded by the timeout (``plane.wait``)."""
+        self.plane.wait(handle, what)
+
+    def on_bucket_reduced(self, callback: Callable[[list[int]], None] | None) -> None:
+        """Write back each bucket as soon as it is reduced and call ``callback(members)`` (overlap.py)."""
+        self.bucket_reduced = callback
+
+    def enable_trace(self) -> list[dict]:
+        """Record a per-bucket timeline of every synced backward from now on; return the record list."""
+        if self.trace is None:
+            self.trace = []
+        if self.auto_caps is not None:  # "auto" traces while it chooses: keep tracing after
+            self.auto_caps.keep_trace()
+        return self.trace
+
+    def disable_trace(self) -> None:
+        self.trace = None
+
+    def set_static_graph(self) -> None:  # torch's private _set_static_graph(), before the first backward
+        self.config = replace(self.config, static_graph=True)
 
     # ---------------------------------------------------------------- forward side
     def prepare_for_forward(self) -> None:
-        if self._in_backward:  # the last backward raised before its end: drop its state
-            if self._syncing and self._compiled_autograd:
-                raise RuntimeError(
-                    "gradsync: under compiled autograd a synced backward ends when its last bucket "
-                    "launches, and the previous one ended with buckets unlaunched: some parameters "
-                    "expected to get a gradient got none (find_unused_parameters with a parameter used "
-                    "only in earlier no_sync micro-steps, or static_graph's first iteration). Set "
-                    "torch._dynamo.config.compiled_autograd = False for such steps.")
+        if self.it.in_backward:  # the last backward raised before its end: drop its state
+            if self.it.syncing and self.it.compiled_autograd:
+                raise RuntimeError(messages.COMPILED_AUTOGRAD_UNFINISHED)
             self._reset_iteration()
 
     def prepare_for_backward(self, outputs: Any, training: bool = True, sync: bool = True) -> None:
         """Note that a backward may follow; with ``find_unused_parameters``, find reachable params.
 
-        ``sync`` is the forward's wish (torch decides at forward; gradsync also reads the flag
-        again at backward, so ``no_sync`` may wrap either). Several forwards may precede their
-        backwards; the latest forward's wish holds, as in torch, where frameworks call this with
-        an empty ``outputs`` to make the next backward synchronize. Only training-mode forwards
-        count for the skipped-backward check: an evaluation forward that forgot
-        ``torch.no_grad()`` on one rank is harmless and must not fail the next step.
+        ``sync`` is the forward's wish; the flag is read again at backward, so ``no_sync`` may wrap
+        either. The latest forward's wish holds, as in torch (frameworks call this with empty
+        ``outputs`` to make the next backward sync). Only training forwards count for the
+        skipped-backward check: an evaluation forward without ``torch.no_grad()`` is harmless.
         """
         self._pending_forwards += 1
         self._armed = bool(sync)
-        self.forward_count += training
-        if self.find_unused_parameters and not (self.static_graph and self._static_counts is not None):
-            self._reachable |= reachable_params(outputs, self._index_of)
+        self.counters.forward += training
+        self.expected.note_forward(outputs, self.config)
 
     # ---------------------------------------------------------------- backward side
     def on_grad_ready(self, i: int, param: torch.Tensor) -> None:
         """Post-accumulate-grad hook of parameter ``i``."""
-        if not self._in_backward:
+        it = self.it
+        if not it.in_backward:
             self._begin_backward()
+            it = self.it
         if param.grad is not None:  # autograd may leave it undefined: that is not a use (torch agrees)
-            self._window_used[i] = True
-        if self._syncing:
-            if self._ready_order is not None:
-                self._ready_order.append(i)
+            self.window_used[i] = True
+        if it.syncing:
+            self.layout.note_ready(i)
             self._mark_ready(i)
-            if self._compiled_autograd and self._next_launch == len(self.buckets):
+            if it.compiled_autograd and it.next_launch == len(self.store.buckets):
                 self._finalize()  # the last bucket launched: compiled autograd never runs queued callbacks
         else:
-            self._keep_local(i)
+            self.store.keep_local(i)
 
     def _begin_backward(self) -> None:
-        self._in_backward = True
-        self._compiled_autograd = in_compiled_autograd()
-        if self._compiled_autograd:
+        compiled = in_compiled_autograd()
+        self.it = it = IterationState(in_backward=True, compiled_autograd=compiled)
+        if compiled:
             self._mark_unsynced()  # until its last bucket ends the sync: no optimizer step before
         else:
             queue_end_of_backward(self._finalize)
+        syncing = False
         if self._pending_forwards == 0:  # no forward of the wrapper prepared it: local, as in torch
             self._warn_unprepared_backward()
         else:
             self._pending_forwards -= 1
-            self.backward_count += 1
-            if self.backward_count == 1:  # gradients restored from a mid-window checkpoint are window state
-                self._window_used = [self._has_local_grad(i) for i in range(len(self.params))]
-            self._syncing = self._armed and bool(self.should_sync())
-        if not self._syncing:
+            self.counters.backward += 1
+            if self.counters.backward == 1:  # gradients restored from a mid-window checkpoint are window state
+                self.window_used = [self.store.has_local_grad(i) for i in range(len(self.params))]
+            syncing = self._armed and bool(self.should_sync())
+        self.launcher.reset()
+        self.store.begin_backward(syncing)
+        if not syncing:
             self._mark_unsynced()
             return
-        self._ready = [False] * len(self.params)
-        self._hook_counts = [0] * len(self.params)
-        self._next_launch = 0
-        for b in self.buckets:
-            b.pending = len(b.members)
-            b.handle = None
-        self.launch_header(BACKWARD)  # checked before the first bucket launches
-        if self._ready_order is None and not self._rebuilt:
-            self._ready_order = []
+        it.syncing = True
+        n = len(self.params)
+        it.ready, it.hook_counts = [False] * n, [0] * n
+        for b in self.store.buckets:
+            b.pending, b.handle = len(b.members), None
+        self.plane.launch_header(BACKWARD)  # checked before the first bucket launches
+        self.layout.begin_sync()
         if self.trace is not None:
-            self._iter_trace = {"iteration": self.sync_count, "backward_start": time.perf_counter(),
-                                "buckets": []}
-        if self.static_graph and self._static_counts is not None:
-            unused = [i for i, c in enumerate(self._static_counts) if c == 0]
-        elif self.find_unused_parameters:
-            unused = [i for i in range(len(self.params)) if i not in self._reachable]
-        else:
-            unused = []
-        self._reachable = set()
-        for i in unused:
+            it.record = {"iteration": self.counters.sync, "backward_start": time.perf_counter(), "buckets": []}
+        for i in self.expected.unused(n, self.config):
             self._mark_ready(i, from_hook=False)
 
     def _mark_ready(self, i: int, from_hook: bool = True) -> None:
-        if self.static_graph:
-            self._hook_counts[i] += from_hook
-            if self._static_counts is None:
-                return  # first synced backward: learn how often each hook fires, launch at the end
-            expected = self._static_counts[i]
-            if self._hook_counts[i] > expected:
-                raise RuntimeError(
-                    f"gradsync: static_graph=True, but parameter '{self.names[i]}' produced a gradient "
-                    f"{self._hook_counts[i]} times in this backward and {expected} times in the first "
-                    "iteration. The graph changed; construct the model with static_graph=False."
-                )
-            if from_hook and self._hook_counts[i] < expected:
-                return
-        elif self._ready[i]:
-            raise RuntimeError(
-                f"gradsync: parameter '{self.names[i]}' was marked ready twice in one backward: it took "
-                "part in the backward more than once (e.g. reentrant activation checkpointing, or a "
-                "module reused across a nested backward). Pass static_graph=True if the graph is the "
-                "same every iteration, or use torch.utils.checkpoint(..., use_reentrant=False)."
-            )
-        self._ready[i] = True
-        self._copy_to_bucket(i)
-        bucket = self.buckets[self._bucket_of[i]]
+        it = self.it
+        if not self.expected.ready_now(i, from_hook, it.ready, it.hook_counts, self.config, self.names[i]):
+            return
+        it.ready[i] = True
+        self.store.copy_in(i, self.launcher.divides_on_copy)
+        bucket = self.store.buckets[self.store.bucket_of[i]]
         bucket.pending -= 1
         if bucket.pending == 0:
-            if self._iter_trace is not None:
+            if it.record is not None:
                 bucket.times = {"ready": time.perf_counter()}
-            self._launch_ready_buckets()
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        """Launch every bucket whose members are ready, strictly in index order."""
+        it, buckets = self.it, self.store.buckets
+        if self.plane.header_pending and buckets[it.next_launch].pending == 0:
+            # before the first bucket, which must pair with a bucket everywhere; blocking here costs
+            # at most one small all-reduce's latency per synced backward, hidden when the first
+            # bucket fills later than that after the backward's first gradient
+            self.plane.check_header()
+        while it.next_launch < len(buckets) and buckets[it.next_launch].pending == 0:
+            self.launcher.launch(buckets[it.next_launch], buckets, it.record is not None)
+            it.next_launch += 1
 
     # ---------------------------------------------------------------- end of backward
-    def _warn_unprepared_backward(self) -> None:
-        """Once: a backward that no forward of the wrapper prepared stays local, like torch's.
+    def _finalize(self) -> None:
+        try:
+            if self.it.syncing:
+                self._finish_sync()
+        finally:
+            self.it.in_backward = self.it.syncing = False
 
-        Its gradients stay in ``.grad`` and count as used in the window, so the next synced
-        backward reduces them. A second backward through one forward (``retain_graph=True``)
-        lands here too.
-        """
+    def _finish_sync(self) -> None:
+        it, store, n = self.it, self.store, len(self.params)
+        if self.config.static_graph and self.expected.static_counts is None:
+            self.expected.static_counts = list(it.hook_counts)
+            for i in range(n):
+                it.ready[i] = True
+                store.copy_in(i, self.launcher.divides_on_copy)
+            for b in store.buckets:
+                b.pending = 0
+        ready_in_hooks = list(it.ready)
+        missing = [i for i in range(n) if not ready_in_hooks[i]]
+        graph_changed = self.config.static_graph and bool(missing)
+        for i in missing:  # launch every bucket anyway so peers are not left waiting
+            self._mark_ready(i, from_hook=False)
+        self._launch_ready()
+
+        tracks_unused = self.config.find_unused_parameters or self.config.static_graph
+        c = self.counters
+        control = control_tensor(self.rank, self.world_size, c.backward, c.forward,
+                                 self.window_used if tracks_unused else ready_in_hooks, self.device)
+        self.launcher.before_control([b.handle for b in store.buckets])
+        control_work = self.plane.launch_control(control)
+
+        results = None
+        if self.bucket_reduced is not None:  # overlap_optimizer: write back and step bucket by bucket
+            self._write_back_as_reduced()
+        else:
+            results = [self.launcher.result(b) for b in store.buckets]
+        self.plane.wait(control_work, "the end-of-backward check")
+        control = control.cpu()  # read once: every check below indexes it
+        active = self.plane.active()
+        check_agreement(control, rank=self.rank, world_size=self.world_size, n=n, active=active, sync_count=c.sync)
+        counts = used_counts(control, self.world_size, n)
+        if self.config.check_finite and results is not None and not store.sharded:
+            check_finite(results, [b.members for b in store.buckets], self.params, self.names)
+        if graph_changed:
+            raise RuntimeError(messages.static_graph_missing(", ".join(self.names[i] for i in missing)))
+        if not tracks_unused:
+            check_missing(counts, self.names, len(active))
+
+        for bucket, result in zip(store.buckets, results or ()):
+            store.write_back(bucket, result, counts)
+        store.end_sync()
+        record = it.record
+        if record is not None:
+            self._record_trace(record)
+        self.window_used = [False] * n
+        guard.mark_synced(self)
+        c.sync += 1
+        self.layout.after_sync(record)  # re-plans once from the observed order; "auto" times it
+
+    def after_shadowed_sync(self) -> None:
+        """A joined rank took part in the active ranks' synced backward (``join.py``)."""
+        self.counters.sync += 1
+        self.layout.after_sync(None, shadowed=True)
+
+    def _write_back_as_reduced(self) -> None:
+        """Write back each bucket as soon as it is reduced and hand it to ``bucket_reduced``; the
+        checks come after: a failing one raises on every rank, these buckets already stepped (overlap.py)."""
+        everyone = [self.world_size] * len(self.params)  # find_unused_parameters is refused there
+        for b in self.store.buckets:
+            result = self.launcher.result(b)
+            if self.config.check_finite:
+                check_finite([result], [b.members], self.params, self.names)
+            self.store.write_back(b, result, everyone)
+            for i in b.members:
+                self.window_used[i] = False  # synced now: the step guard lets the step through
+            self.bucket_reduced(b.members)
+
+    def _record_trace(self, record: dict) -> None:
+        record["backward_end"] = time.perf_counter()
+        for b in self.store.buckets:
+            record["buckets"].append({"index": b.index, "bytes": self.store.nbytes(b), **b.times})
+        self.trace.append(record)
+        self.it.record = None
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _warn_unprepared_backward(self) -> None:
+        """Once: a backward no forward of the wrapper prepared (or a second one through one forward)
+        stays local, like torch's; its gradients are reduced at the next synced backward."""
         if not self._warned_ignored:
             self._warned_ignored = True
-            warnings.warn(
-                "gradsync: a backward ran without a forward of the DistributedDataParallel model "
-                "since the previous backward (a second backward through one forward, or a forward "
-                "that bypassed the wrapper). As in torch, its gradients were not synchronized now; "
-                "they are reduced at the next synchronizing backward. Call model(...) before each "
-                "backward; to combine several losses from one forward, add them and call backward once.",
-                stacklevel=2)
+            warnings.warn(messages.UNPREPARED_BACKWARD, stacklevel=3)
 
     def _reset_iteration(self) -> None:
-        self._in_backward = False
-        self._syncing = False
-        self._iter_trace = None
-        self._header_work = None
+        self.it = IterationState()
+        self.plane.drop_header()
+        self.launcher.reset()
+        self.store.reset()
 
     def _mark_unsynced(self) -> None:
         if self.world_size > 1:  # on one rank every gradient is already the global one
@@ -258,12 +326,16 @@ class Reducer(SyncEnd, BucketStorage, BucketLauncher):
 
     def unsynced_params(self) -> list[int]:
         """Indices of parameters holding gradients from backwards since the last synced one."""
-        return [i for i, used in enumerate(self._window_used) if used and self._has_local_grad(i)]
+        return [i for i, used in enumerate(self.window_used) if used and self.store.has_local_grad(i)]
+
+    def check_foreign_step(self, optimizer: Any) -> None:
+        self.store.check_foreign_step(optimizer)
 
     def remove_hooks(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.store.release()
         guard.forget(self)
 
 
@@ -273,3 +345,6 @@ def _hook(reducer: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
         if me is not None:  # once the wrapper is gone, its parameters train locally
             me.on_grad_ready(i, param)
     return hook
+
+
+__all__ = ["IterationState", "Reducer"]

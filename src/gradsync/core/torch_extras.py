@@ -1,5 +1,5 @@
-"""What torch's DDP offers besides training, for code written against it: pickling, and the
-private switches frameworks call (Lightning reads ``_get_ddp_logging_data()`` at teardown)."""
+"""What torch's DDP offers besides training, for code written against it: its attributes, pickling,
+and the private switches frameworks call (Lightning reads ``_get_ddp_logging_data()`` at teardown)."""
 from __future__ import annotations
 
 import copy
@@ -9,10 +9,23 @@ from typing import Any
 import torch.distributed as dist
 
 from ._torch import disabled_join_config
+from .compile import bucket_bytes_caps
 
 
 class TorchDDPExtras:
     """Mixed into ``DistributedDataParallel``; uses its ``reducer``, ``process_group`` and options."""
+
+    # torch's attributes, read from the one configuration
+    find_unused_parameters = property(lambda self: self.reducer.config.find_unused_parameters)
+    gradient_as_bucket_view = property(lambda self: self.reducer.config.gradient_as_bucket_view)
+    static_graph = property(lambda self: self.reducer.config.static_graph)
+    timeout = property(lambda self: self.reducer.config.timeout)
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """The bucket cap in bytes. Dynamo's DDP optimizer splits compiled graphs at it; it follows
+        the caps in use (``bucket_cap_mb="auto"`` changes them while it chooses)."""
+        return bucket_bytes_caps(*self.reducer.store.caps)[0]
 
     def __getstate__(self) -> dict[str, Any]:
         """Pickle without the process group and reducer (``torch.save(model)``), as torch does."""
@@ -21,7 +34,7 @@ class TorchDDPExtras:
                                "process group. That is, when you have called init_process_group and have "
                                "not passed process_group argument to DDP constructor")
         attrs = copy.copy(self.__dict__)
-        attrs["_check_finite"] = self.reducer.check_finite
+        attrs["_reducer_config"] = self.reducer.config
         for name in ("process_group", "reducer", "_join", "_delayed"):
             del attrs[name]
         attrs["_join_config"] = disabled_join_config()
@@ -30,8 +43,9 @@ class TorchDDPExtras:
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Rebuild on the default process group: a fresh reducer, no collective."""
         self.process_group = dist.group.WORLD
+        config = state.pop("_reducer_config")
         super().__setstate__(state)
-        self._build_reducer()
+        self._build_reducer(config)
 
     def _set_static_graph(self) -> None:
         """Turn on ``static_graph`` after construction (torch's private API), before any backward."""
@@ -41,7 +55,7 @@ class TorchDDPExtras:
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
-        self.static_graph = self.reducer.static_graph = self._reducer_options["static_graph"] = True
+        self.reducer.set_static_graph()
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """A few of torch's logging fields (frameworks read it at teardown); gradsync runs no C++ logger.

@@ -9,7 +9,8 @@ noexcept destructor: "terminate called without an active exception" after traini
 handle waited last (the end-of-backward check) stays referenced here until the next wait: its
 last reference is then Python's, dropped at runtime or by the interpreter's own teardown on the
 main thread. At exit the GIL is released once, so that a worker still waiting for it (to drop a
-hook's callback) finishes while the interpreter is whole.
+hook's callback) finishes while the interpreter is whole: an atexit function, registered with the
+first handle held (the process-wide effect ``exit-hook``, core/process.py).
 """
 from __future__ import annotations
 
@@ -17,16 +18,35 @@ import atexit
 import time
 from typing import Any
 
+from . import process
+
 _last: Any = None  # one handle: holding more would keep transient buffers (broadcast chunks) alive
+_at_exit = False  # the exit hook is registered
 
 
 def hold(handle: Any) -> None:
     """Keep ``handle`` (a ``dist.Work`` or future about to be waited) referenced until the next one."""
     global _last
     _last = handle
+    if not _at_exit:
+        process.install(process.Effect(
+            name="exit-hook", apply=_register, undo=_unregister,
+            reason="a collective's last reference dropped by gloo's thread during interpreter "
+                   "shutdown aborts the process; at exit the GIL is released once so it is not"))
 
 
-@atexit.register
+def _register() -> None:
+    global _at_exit
+    atexit.register(_release_gil_before_shutdown)
+    _at_exit = True
+
+
+def _unregister() -> None:
+    global _at_exit
+    atexit.unregister(_release_gil_before_shutdown)
+    _at_exit = False
+
+
 def _release_gil_before_shutdown() -> None:
     if _last is not None:
         time.sleep(0.01)

@@ -4,8 +4,9 @@ Two facts are kept apart on purpose: whether a micro-step *communicates* (``sync
 whether it *closes a window* so the optimizer and scheduler step (``is_boundary``). The model's
 sync switch (``require_backward_grad_sync``) is read when backward runs, so ``accumulate()`` sets
 it for the whole micro-step. The accumulator only needs that switch, ``scale_grads_(factor)``,
-``process_group``, ``world_size`` and ``reducer.wait`` from a model, so any gradsync wrapper (and
-torch's own DistributedDataParallel, or a plain module on one process) works.
+``process_group`` and, from a gradsync wrapper, the ``SyncTarget`` methods of ``core/seam.py``
+(bounded waits, a value carried in the next phase header), so any gradsync wrapper (and torch's
+own DistributedDataParallel, or a plain module on one process) works.
 """
 from __future__ import annotations
 
@@ -20,8 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core._torch import foreach_mul_, saved_mean_reduction
+from ..core.seam import SyncTarget
 from .tree import flatten, narrow, row_bounds, unflatten
-from .window import _WindowOptimizer, _WindowScheduler
+from .window import WindowOptimizer, WindowScheduler
 
 _MEAN, _ITEMS = "mean loss", "num_items"
 
@@ -43,10 +45,12 @@ class GradientAccumulator:
         self.model = model
         self.steps = steps
         self.sync_each_batch = bool(sync_each_batch)
+        self._target = model if isinstance(model, SyncTarget) else None  # a gradsync wrapper
+        # torch's DDP has the same switch (read at its forward) and a process group, not the rest
         self._switchable = hasattr(model, "require_backward_grad_sync")
         if self._switchable:
             self._group = getattr(model, "process_group", None) or dist.group.WORLD
-            self._world_size = getattr(model, "world_size", None) or dist.get_world_size(self._group)
+            self._world_size = dist.get_world_size(self._group)
         else:
             self._group, self._world_size = None, 1
         self._active = False
@@ -143,14 +147,13 @@ class GradientAccumulator:
 
     def _backward_items(self, loss: torch.Tensor, count: torch.Tensor) -> None:
         self._items = count if self._items is None else self._items + count
-        work, reducer = None, getattr(self.model, "reducer", None)
+        work, carried = None, None
         exchange = self._boundary and self._world_size > 1
         # gradsync's DDP carries the count in the synced backward's phase header: no collective
         # of its own that could pair with a different one on a rank that disagrees about the window
-        carried = exchange and getattr(reducer, "phase_headers", False)
-        if carried:
-            reducer.header_payload = float(self._items)
-        elif exchange:
+        if exchange and self._target is not None:
+            carried = self._target.carry_with_next_sync(float(self._items))
+        if exchange and carried is None:
             # Launched before backward on every rank, so it overlaps the backward and pairs up
             # with the same collective on the other ranks ahead of the gradient buckets.
             work = dist.all_reduce(self._items, group=self._group, async_op=True)
@@ -159,11 +162,12 @@ class GradientAccumulator:
             return
         if work is not None:
             self._wait(work)
-        if carried and reducer.header_payloads is None:
+        counts = carried() if carried is not None else None
+        if carried is not None and counts is None:
             raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
                                "parameter got one), so the item counts were not exchanged; every "
                                "window must end with a backward through the model")
-        total = sum(reducer.header_payloads) if carried else float(self._items)
+        total = sum(counts) if counts is not None else float(self._items)
         if not total > 0:
             raise ValueError(f"gradsync: num_items summed to {total:g} over the window and all ranks; "
                              "there is nothing to average over (pass the number of items each loss sums)")
@@ -178,17 +182,16 @@ class GradientAccumulator:
     def _scale(self, factor: float) -> None:
         if factor == 1.0:
             return
-        if hasattr(self.model, "scale_grads_"):
-            self.model.scale_grads_(factor)
+        if self._target is not None:
+            self._target.scale_grads_(factor)
             return
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if grads:
             foreach_mul_(grads, factor)
 
     def _wait(self, work: Any) -> None:
-        wait = getattr(getattr(self.model, "reducer", None), "wait", None)
-        if callable(wait):
-            wait(work, "the all-reduce of the window's item count")
+        if self._target is not None:
+            self._target.wait(work, "the all-reduce of the window's item count")
         else:
             work.wait()
 
@@ -240,13 +243,14 @@ class GradientAccumulator:
 
         ``zero_grad()`` never clears the window in progress, so it may also sit at the top of the loop.
         """
-        return _WindowOptimizer(optimizer, self)
+        return WindowOptimizer(optimizer, self)
 
     def wrap_scheduler(self, scheduler: Any) -> Any:
         """Return ``scheduler`` whose ``step()`` acts once per window, at its end."""
-        return _WindowScheduler(scheduler, self)
+        return WindowScheduler(scheduler, self)
 
-    def _may_zero(self) -> bool:
+    def may_zero(self) -> bool:
+        """True where zeroing gradients now cannot drop the window in progress (``wrap_optimizer``)."""
         # Inside a micro-step, before its backward, the gradients belong to this window unless it
         # is the window's first micro-step, even on the boundary micro-step: zeroing there would
         # drop the window. After the backward (or between micro-steps) only a closed window zeroes.

@@ -17,23 +17,23 @@ from typing import Any
 import torch
 from torch import nn
 
-from .window import _WindowOptimizer
+from ..core import process
+from ..core.seam import ReducerView, SyncTarget
+from .window import WindowOptimizer
 
 ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop)
-
-_overlapped: weakref.WeakSet = weakref.WeakSet()  # OverlappedStep handles, for the clip check
 
 
 class OverlappedStep:
     """The handle ``overlap_optimizer`` returns; ``remove()`` restores the plain loop."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
-        reducer = getattr(model, "reducer", None)
-        if reducer is None or not hasattr(reducer, "bucket_reduced") or hasattr(reducer, "shard_range"):
+        reducer = model.reducer if isinstance(model, SyncTarget) else None
+        if not isinstance(reducer, ReducerView) or reducer.is_sharded:
             raise TypeError("gradsync: overlap_optimizer needs a gradsync.DistributedDataParallel model "
                             f"(got {type(model).__name__}); ShardedOptimizer already steps on the shards")
-        if isinstance(optimizer, _WindowOptimizer):  # the accumulator's wrapper: its step() calls this one's
+        if isinstance(optimizer, WindowOptimizer):  # the accumulator's wrapper: its step() calls this one's
             optimizer = optimizer.optimizer
         if type(optimizer) not in ELEMENTWISE:
             names = ", ".join(c.__name__ for c in ELEMENTWISE)
@@ -43,7 +43,7 @@ class OverlappedStep:
                 "Step this optimizer after backward as usual.")
         if reducer.bucket_reduced is not None:
             raise RuntimeError("gradsync: this model already overlaps an optimizer; remove() that one first")
-        if reducer.find_unused_parameters:
+        if reducer.config.find_unused_parameters:
             raise ValueError(
                 "gradsync: overlap_optimizer needs find_unused_parameters=False: which parameters got a "
                 "gradient on some rank is known only after the last bucket, too late to step early")
@@ -54,14 +54,19 @@ class OverlappedStep:
                 f"gradsync: the optimizer holds {len(foreign)} parameter(s) that the model does not reduce "
                 "(another module's, or ones excluded from synchronization); overlap_optimizer steps only "
                 "the model's buckets. Give those parameters their own optimizer.")
-        self.model, self.optimizer, self.reducer = model, optimizer, reducer
+        # the model weakly: its finalizer holds the reducer, which holds this handle
+        self._model, self.optimizer, self.reducer = weakref.ref(model), optimizer, reducer
         self.stepped = False  # the latest synced backward stepped every bucket; step() is then a no-op
         self._group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._plain_step = optimizer.step
         optimizer.step = self._step  # an instance attribute: remove() deletes it
-        reducer.bucket_reduced = self._step_bucket
-        _overlapped.add(self)
-        _install_clip_check()
+        reducer.on_bucket_reduced(self._step_bucket)
+        self._ids = frozenset(owned)
+        process.claim_clip_grad_norm(self)  # refuse clipping after an overlapped step (clip_grad_norm_for)
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model()
 
     def _step_bucket(self, members: list[int]) -> None:
         params = [self.reducer.params[i] for i in members]
@@ -91,32 +96,20 @@ class OverlappedStep:
     def remove(self) -> None:
         """Step after backward again, as without ``overlap_optimizer``."""
         if self.reducer.bucket_reduced == self._step_bucket:
-            self.reducer.bucket_reduced = None
+            self.reducer.on_bucket_reduced(None)
         self.optimizer.__dict__.pop("step", None)
-        _overlapped.discard(self)
+        process.release_clip_grad_norm(self)
+
+    def clip_grad_norm_for(self, params: list[torch.Tensor], *args: Any) -> None:
+        """Asked by ``torch.nn.utils.clip_grad_norm_``: refuse once this backward's step was made."""
+        if self.stepped and any(id(p) in self._ids for p in params):
+            raise RuntimeError(
+                "gradsync: clip_grad_norm_ after a backward whose optimizer step overlap_optimizer "
+                "already made, bucket by bucket: clipping now changes nothing, and a global norm "
+                "cannot be known before the last bucket. Remove overlap_optimizer (handle.remove()) "
+                "to clip.")
 
 
 def overlap_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> OverlappedStep:
     """Step ``optimizer`` on each bucket's parameters as soon as that bucket is reduced."""
     return OverlappedStep(model, optimizer)
-
-
-def _install_clip_check() -> None:
-    """Refuse global-norm clipping of gradients that an overlapped optimizer already applied."""
-    utils = torch.nn.utils
-    if getattr(utils.clip_grad_norm_, "_gradsync_overlap", False):
-        return
-    plain = utils.clip_grad_norm_
-
-    def clip_grad_norm_(parameters, *args: Any, **kwargs: Any) -> torch.Tensor:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        ids = {id(p) for p in params}
-        for handle in list(_overlapped):
-            if handle.stepped and any(id(p) in ids for p in handle.reducer.params):
-                raise RuntimeError(
-                    "gradsync: clip_grad_norm_ after a backward whose optimizer step overlap_optimizer "
-                    "already made, bucket by bucket: clipping now changes nothing, and a global norm "
-                    "cannot be known before the last bucket. Remove overlap_optimizer to clip.")
-        return plain(params, *args, **kwargs)
-    clip_grad_norm_._gradsync_overlap = True
-    utils.clip_grad_norm_ = clip_grad_norm_

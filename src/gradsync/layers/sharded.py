@@ -1,20 +1,28 @@
-"""``ShardedDataParallel``: the DDP wrapper over ``ShardedReducer`` (ZeRO-2-style gradient shards).
+"""``ShardedDataParallel``: the DDP wrapper over sharded gradients (ZeRO-2 style).
 
-How buckets are reduce-scattered into shards is in ``sharded_reducer.py``; the optimizer that
-steps the shards and all-gathers parameters is ``sharded_optim.py``.
+The reducer is the core's; sharding plugs in a different store (``sharded_store.py``: staging
+buckets and gradient shards) and launcher (``sharded_launcher.py``: reduce-scatter). The optimizer
+that steps the shards and all-gathers parameters is ``sharded_optim.py``.
 """
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
 
 from ..core import process
-from ..core._torch import dynamo_frame_callback_set, foreach_mul_
-from ..core.ddp import DistributedDataParallel
+from ..core._torch import dynamo_frame_callback_set
+from ..core.ddp import DistributedDataParallel, should_sync_of
 from .sharded_prefetch import compiling
-from .sharded_reducer import ShardedReducer
+from ..core.config import ReducerConfig
+from ..core.reducer import Reducer
+from .sharded_launcher import ShardedLauncher
+from .sharded_store import ShardedBucketStore
+from .sharded_clip import claim_for_sharded, clip_shards, release_for_sharded
+
+MAX_INFLIGHT = 2  # reduce-scatters in flight during backward: two let gloo's threads reduce two buckets
 
 
 def _dynamo_active() -> bool:
@@ -37,21 +45,34 @@ class ShardedDataParallel(DistributedDataParallel):
     gradient lives in the fp32 shards.
     """
 
-    reducer_class = ShardedReducer
+    sharded = True
 
-    def __init__(self, module: torch.nn.Module, *args: Any, max_inflight: int = ShardedReducer.max_inflight,
+    def __init__(self, module: torch.nn.Module, *args: Any, max_inflight: int = MAX_INFLIGHT,
                  staging_budget_mb: float | None = None, **kwargs: Any):
         """``max_inflight``: reduce-scatters in flight at once during backward; ``staging_budget_mb``:
         a bound on staging memory (buckets being filled or reduced) that launches also respect."""
         if int(max_inflight) < 1:
             raise ValueError(f"gradsync: max_inflight must be at least 1, got {max_inflight}")
+        self._max_inflight = int(max_inflight)
+        self._staging_budget_bytes = None if staging_budget_mb is None else int(staging_budget_mb * 2**20)
         super().__init__(module, *args, **kwargs)
-        self.reducer.max_inflight = int(max_inflight)
-        self.reducer.staging_budget_bytes = None if staging_budget_mb is None else int(staging_budget_mb * 2**20)
         _skip_frames()
 
+    def make_reducer(self, params: list[torch.nn.Parameter], names: list[str], config: ReducerConfig) -> Reducer:
+        """The core's reducer over a sharded store and a reduce-scatter launcher."""
+        group = self.process_group
+        rank, world_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+        store = ShardedBucketStore(params, names, rank=rank, world_size=world_size, caps=config.caps,
+                                   reduce_dtype=config.reduce_dtype, pool_size=2 * self._max_inflight + 2)
+        reducer = Reducer(params, names, group, config, should_sync=should_sync_of(self), store=store,
+                          launcher=lambda plane: ShardedLauncher(group, plane, store, max_inflight=self._max_inflight,
+                                                                 staging_budget_bytes=self._staging_budget_bytes))
+        claim_for_sharded(reducer)
+        weakref.finalize(self, release_for_sharded, reducer)
+        return reducer
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        gathers = self.reducer.gathers
+        gathers = self.reducer.store.gathers
         if gathers is None or not gathers.active:
             return super().forward(*inputs, **kwargs)
         # the mode guards only the thread that stepped, and Dynamo would trace it: wait now
@@ -83,17 +104,10 @@ class ShardedDataParallel(DistributedDataParallel):
             "gradsync.DistributedDataParallel for uneven inputs."
         )
 
-    def scale_grads_(self, factor: float) -> None:
-        """Multiply every gradient (shards and pending local gradients) by ``factor``."""
-        tensors = [b.grad_shard for b in self.reducer.buckets]
-        tensors += [p.grad for p in self.reducer.params if p.grad is not None]
-        tensors += [b.buffer for b in self.reducer.buckets if b.buffer is not None]  # reduce_dtype's window
-        foreach_mul_(tensors, factor)
-
     def grad_state_dict(self) -> dict[str, Any]:
         """Return this rank's gradient shards and pending local gradients (rank-local state)."""
         reducer = self.reducer
-        return {"local": super().grad_state_dict(), "has_grad": list(reducer.has_grad),
+        return {"local": super().grad_state_dict(), "has_grad": list(reducer.store.has_grad),
                 "shards": [b.grad_shard.clone() for b in reducer.buckets], "world_size": self.world_size}
 
     def load_grad_state_dict(self, state: dict[str, Any]) -> None:
@@ -104,7 +118,7 @@ class ShardedDataParallel(DistributedDataParallel):
                 f"{self.world_size}; resume mid-window at the same world size, or checkpoint at a "
                 "window boundary (the optimizer state itself loads at any world size)")
         super().load_grad_state_dict(state["local"])
-        self.reducer.has_grad = list(state["has_grad"])
+        self.reducer.store.has_grad = list(state["has_grad"])
         for bucket, shard in zip(self.reducer.buckets, state["shards"]):
             bucket.grad_shard.copy_(shard)
             bucket.shard_zero = False
@@ -116,7 +130,7 @@ class ShardedDataParallel(DistributedDataParallel):
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does the same once a
         ``ShardedDataParallel`` exists; given only part of the parameters it raises.
         """
-        return self.reducer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
+        return clip_shards(self.reducer, max_norm, norm_type, error_if_nonfinite)
 
 
 def _skip_frames() -> None:

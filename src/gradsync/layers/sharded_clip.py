@@ -1,14 +1,13 @@
 """``torch.nn.utils.clip_grad_norm_`` on a sharded model: clip the shards by their global norm."""
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.utils.clip_grad
 
+from ..core import process
 from ..core._torch import foreach_mul_
 
 
@@ -16,7 +15,7 @@ from ..core._torch import foreach_mul_
 def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
                 error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip ``reducer``'s gradient shards by their global norm (across all ranks); return that norm."""
-    reducer.check_ready_to_step()
+    reducer.store.check_ready_to_step()
     norm_type = float(norm_type)
     shards = [b.grad_shard for b in reducer.buckets]
     device = shards[0].device
@@ -39,37 +38,47 @@ def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
     return total
 
 
-# torch.nn.utils.clip_grad_norm_ reads .grad, which is None for sharded parameters after a synced
-# backward: it would clip nothing and return 0. Once a ShardedReducer exists, torch's function
-# clips the shards when given all of a sharded model's parameters, and raises when given part.
-_live: weakref.WeakSet = weakref.WeakSet()
-_torch_clip_grad_norm_: Any = None
+class _ShardedClip:
+    """Answers ``torch.nn.utils.clip_grad_norm_`` for one sharded reducer (``core/process.py``).
+
+    Its ``.grad`` is None after a synced backward: torch's function would clip nothing and return
+    0. Given all of the model's parameters, it clips the shards; given part of them, it refuses.
+    """
+
+    def __init__(self, reducer: Any):
+        self.reducer = weakref.ref(reducer)
+        self.ids = frozenset(id(p) for p in reducer.params)
+
+    def clip_grad_norm_for(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+                           error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor | None:
+        reducer = self.reducer()
+        given = {id(p) for p in params if id(p) in self.ids}
+        if reducer is None or not given:
+            return None
+        others = [p for p in params if id(p) not in self.ids and p.grad is not None]
+        if len(given) < len(self.ids) or others:
+            raise RuntimeError(
+                "gradsync: torch.nn.utils.clip_grad_norm_ got some, not all, of a "
+                "ShardedDataParallel model's parameters (or them mixed with other parameters "
+                "that have gradients). Their gradients live in per-rank shards; call "
+                "model.clip_grad_norm_(max_norm), which clips all of them by their global norm.")
+        return clip_shards(reducer, max_norm, norm_type, error_if_nonfinite)
 
 
-def _install_clip_redirect() -> None:
-    global _torch_clip_grad_norm_
-    if _torch_clip_grad_norm_ is not None:
-        return
-    _torch_clip_grad_norm_ = original = torch.nn.utils.clip_grad.clip_grad_norm_
+_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # reducer -> its _ShardedClip
 
-    @functools.wraps(original)
-    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
-        if _live:
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            for reducer in list(_live):
-                given = {id(p) for p in parameters if id(p) in reducer._index_of}
-                if not given:
-                    continue
-                others = [p for p in parameters if id(p) not in reducer._index_of and p.grad is not None]
-                if len(given) < len(reducer.params) or others:
-                    raise RuntimeError(
-                        "gradsync: torch.nn.utils.clip_grad_norm_ got some, not all, of a "
-                        "ShardedDataParallel model's parameters (or them mixed with other parameters "
-                        "that have gradients). Their gradients live in per-rank shards; call "
-                        "model.clip_grad_norm_(max_norm), which clips all of them by their global norm.")
-                return reducer.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
-        return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    torch.nn.utils.clip_grad.clip_grad_norm_ = clip_grad_norm_
-    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+def claim_for_sharded(reducer: Any) -> None:
+    """Let ``torch.nn.utils.clip_grad_norm_`` clip ``reducer``'s shards while it lives."""
+    if reducer not in _owners:
+        _owners[reducer] = owner = _ShardedClip(reducer)
+        process.claim_clip_grad_norm(owner)
 
+
+def release_for_sharded(reducer: Any) -> None:
+    owner = _owners.pop(reducer, None)
+    if owner is not None:
+        process.release_clip_grad_norm(owner)
+
+
+__all__ = ["claim_for_sharded", "clip_shards", "release_for_sharded"]

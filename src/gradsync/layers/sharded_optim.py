@@ -63,10 +63,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.prefetch = prefetch
         self.model = model
         self.reducer = reducer = model.reducer
+        store = reducer.store
         self._masters: list[torch.Tensor] = []
         pieces_of: dict[int, _Piece] = {}
         for b in reducer.buckets:
-            start, end = reducer.shard_range(b)
+            start, end = store.shard_range(b)
             own = b.flat_param[start:end]
             master = own if own.dtype == b.grad_shard.dtype else own.to(b.grad_shard.dtype)
             self._masters.append(master)
@@ -99,13 +100,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optimizer = optimizer_class(inner_groups, **kwargs)
         self._bucket_pieces: list[list[_Piece]] = [[] for _ in reducer.buckets]
         for piece in self._pieces:
-            self._bucket_pieces[reducer._bucket_of[piece.param]].append(piece)
+            self._bucket_pieces[store.bucket_of[piece.param]].append(piece)
         self._initializing = True
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
         self._initializing = False
         self._link()
-        if prefetch and reducer.gathers is None:
-            reducer.gathers = Gathers(reducer)
+        if prefetch and store.gathers is None:
+            store.gathers = Gathers(reducer)
 
     def _user_groups(self, param_groups: Iterable[dict] | None) -> list[tuple[list[int], dict]]:
         reducer = self.reducer
@@ -147,17 +148,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @property
     def pending_gathers(self) -> list[int]:
         """Indices of the buckets whose parameter all-gather is started but not waited yet."""
-        gathers = self.reducer.gathers
+        gathers = self.reducer.store.gathers
         return [] if gathers is None else gathers.pending
 
     def wait_for_params(self) -> None:
         """Wait for every pending parameter all-gather (prefetch=True)."""
-        if self.reducer.gathers is not None:
-            self.reducer.gathers.finish()
+        if self.reducer.store.gathers is not None:
+            self.reducer.store.gathers.finish()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradient shards (and any local gradients from no_sync micro-steps)."""
-        self.reducer.zero_grad(set_to_none)
+        self.reducer.store.zero_grad(set_to_none)
         for piece in self._pieces:
             piece.tensor.grad = None
 
@@ -169,31 +170,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        reducer = self.reducer
-        reducer.check_ready_to_step()
+        reducer, store = self.reducer, self.reducer.store
+        store.check_ready_to_step()
         for piece in self._pieces:
             piece.tensor.grad = None
         # bucket by bucket (the optimizer is element-wise), so that each bucket's all-gather runs
         # while the optimizer steps the next one
         works: dict[int, list] = {}
         for b, master, pieces in zip(reducer.buckets, self._masters, self._bucket_pieces):
-            stepped = [p for p in pieces if reducer.has_grad[p.param]]
+            stepped = [p for p in pieces if store.has_grad[p.param]]
             if stepped:
                 for piece in stepped:
                     piece.tensor.grad = piece.grad
                 self.optimizer.step()
                 for piece in stepped:
                     piece.tensor.grad = None
-            start, end = reducer.shard_range(b)
+            start, end = store.shard_range(b)
             own = b.flat_param[start:end]
             if master is not own:
                 own.copy_(master)
             if reducer.world_size > 1:
                 works[b.index] = start_all_gather(b.flat_param, b.shard_numel, reducer.rank, reducer.group,
-                                                  reducer.exchange)
+                                                  reducer.launcher.exchange)
         for piece in self._pieces:
-            piece.tensor.grad = piece.grad if reducer.has_grad[piece.param] else None
-        if not (self.prefetch and reducer.gathers.defer(works)):
+            piece.tensor.grad = piece.grad if store.has_grad[piece.param] else None
+        if not (self.prefetch and store.gathers.defer(works)):
             for index, bucket_works in works.items():
                 for work in bucket_works:
                     reducer.wait(work, f"the parameter all-gather of bucket {index}")

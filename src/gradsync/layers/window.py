@@ -9,7 +9,7 @@ if TYPE_CHECKING:
     from .accumulate import GradientAccumulator
 
 
-class _WindowOptimizer(torch.optim.Optimizer):
+class WindowOptimizer(torch.optim.Optimizer):
     """An optimizer whose step and zero_grad act only where the accumulator's window ends."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, acc: GradientAccumulator):
@@ -34,7 +34,7 @@ class _WindowOptimizer(torch.optim.Optimizer):
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._acc._may_zero():
+        if self._acc.may_zero():
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
@@ -56,7 +56,7 @@ class _WindowOptimizer(torch.optim.Optimizer):
         return f"WindowOptimizer(steps={self._acc.steps}, {self.optimizer!r})"
 
 
-class _WindowScheduler:
+class WindowScheduler:
     """A scheduler whose step acts once per window, at the window's end."""
 
     def __init__(self, scheduler: Any, acc: GradientAccumulator):

@@ -175,7 +175,7 @@ def communication(rank, world, spec, engines, accum, cap, windows: int = 2) -> d
                     _window(engine, spec, rank, w, accum)
             if name == "gradsync":
                 out["trace"] = list(trace)
-                engine.model.reducer.trace = None
+                engine.model.reducer.disable_trace()
         by_kind: dict[str, float] = defaultdict(float)
         wire = 0.0
         for op, dtype, nbytes in log:

@@ -1,0 +1,109 @@
+"""The control plane: phase headers, the end-of-backward control, carried values, and bounded waits.
+
+Gradient buckets are the data plane (``launcher.py``). What the ranks must agree on travels
+here: each synced backward (and each forward that broadcasts buffers) starts with a phase header
+(``header.py``), which also carries one float per rank for the layers (the accumulator's item
+count: ``carry``); each synced backward ends with the control all-reduce (``control.py``). Every
+wait on any collective goes through ``wait``, bounded by the configured timeout. The plane has its
+own group handle, so the control traffic can move to a CPU group without touching the data plane.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .control import SyncError, bounded_wait
+from .header import check_header, header_tensor, payloads
+
+
+@dataclass
+class Counters:
+    """Per-rank counters every rank compares (headers, control): the reducer advances them."""
+
+    forward: int = 0  # training forwards with grad enabled: catches skipped backwards
+    backward: int = 0  # every prepared backward, synced or not
+    sync: int = 0  # synced backwards finished
+
+
+class ControlPlane:
+    headers = True  # False only to measure what the headers cost (benchmarks/header_cost.py)
+
+    def __init__(self, group: dist.ProcessGroup, *, rank: int, world_size: int, device: torch.device,
+                 timeout: timedelta, counters: Counters):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.device = device  # NCCL reduces only tensors on the rank's device
+        self.timeout = timeout
+        self.counters = counters
+        self._header: torch.Tensor | None = None
+        self._work: Any = None
+        self._payload: float | None = None  # to send in the next header
+        self._payloads: list[float] | None = None  # every rank's, from the latest header
+        self.active_ranks: list[int] | None = None  # inside DDP.join(): this forward's active ranks
+
+    def active(self) -> list[int]:
+        """The ranks taking part in this phase with gradients of their own (all, outside a join)."""
+        return list(self.active_ranks) if self.active_ranks is not None else list(range(self.world_size))
+
+    # ---------------------------------------------------------------- headers
+    def carry(self, value: float) -> Callable[[], list[float] | None]:
+        """Send ``value`` in the next synced backward's header; return a reader of every rank's values
+        (None until that header completed, or if none ran)."""
+        self._payload = float(value)
+        return lambda: self._payloads
+
+    def launch_header(self, kind: int) -> None:
+        """Start this phase's header all-reduce; ``kind=0`` shadows as a joined rank."""
+        payload, self._payload = self._payload or 0.0, None
+        self._payloads = None
+        if self.world_size > 1 and self.headers:
+            c = self.counters
+            self._header = header_tensor(self.rank, self.world_size, kind, c.forward, c.backward, self.device,
+                                         payload)
+            self._work = dist.all_reduce(self._header, group=self.group, async_op=True)
+
+    @property
+    def header_pending(self) -> bool:
+        return self._work is not None
+
+    def check_header(self) -> None:
+        """Wait for the pending header; raise on every rank unless all are in the same phase."""
+        work, self._work = self._work, None
+        if work is None:
+            return
+        self.wait(work, "the phase header")  # a slow rank is fine: this waits the usual bound
+        check_header(self._header, rank=self.rank, active=self.active())
+        self._payloads = payloads(self._header)
+
+    def exchange_header(self, kind: int) -> None:
+        """Run a header to completion before a phase whose first collective must pair (a broadcast)."""
+        self.launch_header(kind)
+        self.check_header()
+
+    def drop_header(self) -> None:
+        """The backward raised: its header is not waited for."""
+        self._work = None
+
+    # ---------------------------------------------------------------- control and waits
+    def launch_control(self, control: torch.Tensor) -> dist.Work:
+        """All-reduce the end-of-backward control (after the buckets' collectives)."""
+        return dist.all_reduce(control, group=self.group, async_op=True)
+
+    def wait(self, handle: Any, what: str) -> None:
+        """Wait for a Work or Future, bounded by the timeout, with a useful error."""
+        try:
+            bounded_wait(handle, self.timeout)
+        except Exception as exc:
+            raise SyncError(
+                f"gradsync: rank {self.rank} waited for {what} of synced backward {self.counters.sync} "
+                f"(backward {self.counters.backward} on this rank) and it failed or did not finish within "
+                f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died, raised, "
+                "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync."
+            ) from exc
+
+
+__all__ = ["ControlPlane", "Counters"]

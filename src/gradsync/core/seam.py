@@ -1,0 +1,50 @@
+"""What the layers (accumulator, sharded optimizer, overlapped optimizer) may ask of a gradsync model.
+
+The layers reach the core through these names only (tests/test_layout.py forbids them another
+module's underscore names). A model that is not a ``SyncTarget`` (torch's own DDP, or a plain
+module on one process) still works with the accumulator through torch's public attributes.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol, runtime_checkable
+
+import torch.distributed as dist
+
+
+@runtime_checkable
+class SyncTarget(Protocol):
+    """A gradsync wrapper, as the layers see it."""
+
+    require_backward_grad_sync: bool  # read when a backward runs: False accumulates locally
+    process_group: dist.ProcessGroup
+    world_size: int
+
+    def scale_grads_(self, factor: float) -> None:
+        """Multiply every synchronized (and pending local) gradient by ``factor``."""
+
+    def wait(self, handle: Any, what: str) -> None:
+        """Wait for a collective's Work or future, bounded by the model's timeout."""
+
+    def carry_with_next_sync(self, value: float) -> Callable[[], list[float] | None] | None:
+        """Send ``value`` with the next synced backward's phase header, at no extra collective;
+        return a reader of every rank's value (None until that backward's header completed), or
+        None if it cannot be carried (the caller then exchanges it itself)."""
+
+
+@runtime_checkable
+class ReducerView(Protocol):
+    """What the layers read of ``model.reducer``: parameters, buckets and the bucket hook."""
+
+    params: list
+    names: list
+    is_sharded: bool
+    index_of: dict[int, int]  # id(parameter) -> its index in ``params``
+    config: Any  # core/config.py's ReducerConfig: what the model was built with
+    bucket_reduced: Callable[[list[int]], None] | None  # set by on_bucket_reduced
+
+    def on_bucket_reduced(self, callback: Callable[[list[int]], None] | None) -> None:
+        """Call ``callback(members)`` as each bucket is reduced and written back (None: stop)."""
+
+
+__all__ = ["ReducerView", "SyncTarget"]
