@@ -29,8 +29,9 @@ How it works, and why this way:
   running torch's ``__init__``. So that no torch method ever runs on gradsync state, a facade
   class sits right before torch's class in the MRO and re-binds every name torch's class (or its
   ``Joinable`` base) defines to what ``nn.Module``/``object`` provide, or hides it (torch-private
-  helpers such as ``_get_ddp_logging_data`` or ``_set_static_graph``: looking them up raises
-  ``AttributeError`` as on a plain gradsync wrapper, with a message naming the torch-only API).
+  helpers gradsync does not define, such as ``_register_fused_optim``: looking them up raises
+  ``AttributeError`` as on a plain gradsync wrapper, with a message naming the torch-only API;
+  those gradsync does define, ``_get_ddp_logging_data`` and ``_set_static_graph``, are its own).
   This covers attribute lookup on instances and ``super()`` calls from gradsync's own methods
   (``super().__init__()``, ``super().__setstate__()`` land in ``nn.Module``). A compat instance
   thus behaves exactly as ``gradsync.DistributedDataParallel``; only ``isinstance``/``issubclass``
@@ -240,8 +241,9 @@ def replace_torch_ddp() -> TorchDDPReplacement:
     ``from torch.nn.parallel[.distributed] import DistributedDataParallel`` taken at any time), and
     the models built are instances of both ``gradsync.DistributedDataParallel`` and torch's class,
     so frameworks' ``isinstance`` checks pass. Attributes behave as on gradsync's wrapper: torch's
-    private helpers (``model._set_static_graph()``, ``model._get_ddp_logging_data()``, ...) are
-    not emulated: they raise ``AttributeError`` naming the torch-only API. Calls nest; torch's
+    private helpers are not emulated (they raise ``AttributeError`` naming the torch-only API),
+    except the two frameworks call, ``_set_static_graph()`` and ``_get_ddp_logging_data()``
+    (``torch_extras.py``). Calls nest; torch's
     class is restored exactly when the last one is undone. Subclasses of torch's class are not
     redirected.
     """

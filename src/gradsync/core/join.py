@@ -56,7 +56,7 @@ class DDPJoinHook(JoinHook):
             return
         ddp._join = None
         ddp._join_config = disabled_join_config()
-        ddp.reducer.plane.active_ranks = None
+        ddp.reducer.plane.set_active(None)
         if self._own_hook and ddp.reducer.launcher.hook is average_over_active_ranks:
             ddp.reducer.launcher.set_hook(None, None)
 
@@ -69,7 +69,7 @@ class DDPJoinHook(JoinHook):
             ddp.reducer.wait(work, "the join notification")
         will_sync = ddp.require_backward_grad_sync and torch.is_grad_enabled()
         active, syncs, _ = self._handshake(True, will_sync, ddp._will_broadcast_buffers())
-        ddp.reducer.plane.active_ranks = active
+        ddp.reducer.plane.set_active(active)
         self.expect_sync = syncs if torch.is_grad_enabled() else None
         return active[0]
 
@@ -92,7 +92,7 @@ class DDPJoinHook(JoinHook):
                 f"gradsync: joined rank {ddp.reducer.rank} expected a forward of the model on the active "
                 "ranks and saw none: inside Join([...]) the model must come first, and each active "
                 "rank's iteration must start with its forward")
-        ddp.reducer.plane.active_ranks = active
+        ddp.reducer.plane.set_active(active)
         buffers = list(ddp.module.buffers())
         if broadcasts and buffers:
             ddp.reducer.plane.exchange_header(0)

@@ -45,6 +45,10 @@ class ControlPlane:
         self._payloads: list[float] | None = None  # every rank's, from the latest header
         self.active_ranks: list[int] | None = None  # inside DDP.join(): this forward's active ranks
 
+    def set_active(self, ranks: list[int] | None) -> None:
+        """Inside ``DDP.join()``: the ranks with data for this forward (None: every rank)."""
+        self.active_ranks = ranks
+
     def active(self) -> list[int]:
         """The ranks taking part in this phase with gradients of their own (all, outside a join)."""
         return list(self.active_ranks) if self.active_ranks is not None else list(range(self.world_size))
