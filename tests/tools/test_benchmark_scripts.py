@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -101,3 +103,22 @@ def test_sharded_prefetch_quick_run(tmp_path):
     (row,) = json.loads((tmp_path / "sharded_prefetch-quick.json").read_text())["rows"]
     assert row["param_sums"]["sharded-prefetch"] == row["param_sums"]["sharded"]  # same training, only earlier
     assert (tmp_path / "sharded_prefetch-quick.md").read_text().count("| mlp-tiny | 2 |") == 1
+
+
+def test_before_after_quick_run(tmp_path):
+    # a subprocess: the script imports the baseline commit's package as gradsync_base
+    if subprocess.run(["git", "-C", str(BENCHMARKS.parent), "cat-file", "-e", "7a4ad5f^{commit}"]).returncode:
+        pytest.skip("the baseline commit is not in this checkout's history")
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "before_after.py"), "--quick", "--accum", "1",
+                           "--models", "mlp-tiny", "--runs", "2", "--out", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "redesign_before_after-quick.json").read_text())
+    assert sorted((r["group"], r["run"]) for r in record["rows"]) == [(g, run) for g in ("ddp", "sharded")
+                                                                         for run in (1, 2)]
+    assert record["code"]["before_file"] != record["code"]["after_file"]  # two different packages were timed
+    for row in record["rows"]:  # the A/A pair trains identically (same code, same data): nothing about speed
+        assert row["max_param_diff"][{"ddp": "before-again", "sharded": "sharded-before-again"}[row["group"]]] == 0
+    report = (tmp_path / "redesign_before_after-quick.md").read_text()
+    assert report.count("| mlp-tiny | 1 | ddp |") == 3 and "## Do the runs agree?" in report  # 2 runs + agreement

@@ -63,6 +63,13 @@ def time_engines(rank, world, spec, names, accum, warmup, reps, cap) -> dict:
     """Alternate the engines window by window; return each one's wall time (max over ranks) and
     CPU time (this process and its gloo threads, summed over ranks) per window."""
     engines = make_engines(spec, names, bucket_cap_mb=cap)
+    return {**alternate(engines, spec, rank, accum, warmup, reps), "engines": engines}
+
+
+def alternate(engines: dict, spec, rank, accum, warmup, reps) -> dict:
+    """Time ``engines`` (name -> engine) window by window in a shuffled order per round; return
+    {"times", "cpu"}: each one's wall time (max over ranks) and CPU time (summed) per window."""
+    names = list(engines)
     times: dict[str, list[float]] = {n: [] for n in names}
     cpu: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(warmup + reps):
@@ -76,7 +83,7 @@ def time_engines(rank, world, spec, names, accum, warmup, reps, cap) -> dict:
             if rep >= warmup:
                 times[name].append(wall)
                 cpu[name].append(used)
-    return {"times": times, "cpu": cpu, "engines": engines}
+    return {"times": times, "cpu": cpu}
 
 
 def overhead_rank(rank, world, layers: int = 96, width: int = 8, reps: int = 40) -> dict:
