@@ -338,3 +338,29 @@ def test_num_items_with_a_mean_loss_warns_once(kind, name):
         assert len(ours) == 1 and "n times too small" in message
         assert "reduction='sum'" in message and "acc.backward(loss) without num_items" in message
         assert ours[0].filename == __file__  # points at the user's call
+
+
+def mixed_kinds(rank, world_size):
+    """Rank 0 passes num_items, rank 1 a mean loss, each in every micro-step of the window."""
+    model = gradsync.DDP(mlp())
+    acc = gradsync.GradientAccumulator(model, steps=2)
+    x, y = batches(1, world_size)[0]
+    x, y = shard(x, rank, world_size), shard(y, rank, world_size)
+    try:
+        for step in range(2):
+            with acc.accumulate():
+                if rank == 0:
+                    acc.backward(F.mse_loss(model(x), y, reduction="sum"), num_items=len(x))
+                else:
+                    acc.backward(F.mse_loss(model(x), y))
+    except gradsync.SyncError as exc:
+        return str(exc)
+    return None
+
+
+def test_ranks_that_normalize_a_window_differently_raise_on_every_rank():
+    # the count rode in the phase header and a rank without num_items sent 0.0: both ranks finished
+    # silently, with gradients 1.33x and 5.31x the mean (issue 25)
+    errors = run_ranks(mixed_kinds, 2)
+    for message in errors:
+        assert message is not None and "rank 0: num_items" in message and "rank 1: a mean loss" in message

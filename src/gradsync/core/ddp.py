@@ -295,12 +295,12 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         """Wait for a collective's Work or future, bounded by ``timeout``, naming ``what`` if it fails."""
         self.reducer.wait(handle, what)
 
-    def carry_with_next_sync(self, value: float) -> Callable[[], list[float] | None] | None:
-        """Send ``value`` in the next synced backward's phase header (no collective of its own, so it
-        cannot pair with a different one on a rank that disagrees); return a reader of every rank's.
-        None: headers are switched off (a measurement), the caller exchanges the value itself."""
+    def carry_with_next_sync(self, values: Sequence[float]) -> Callable[[], dict[int, tuple]] | None:
+        """Send ``values`` in the next synced backward's phase header (no collective of its own, so it
+        cannot pair with a different one on a rank that disagrees); return a reader of the active
+        ranks' values by rank. None: headers are switched off (a measurement): exchange them yourself."""
         plane = self.reducer.plane
-        return plane.carry(value) if plane.headers else None
+        return plane.carry(values) if plane.headers else None
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply every synchronized gradient by ``factor`` (used by the accumulator)."""

@@ -5,14 +5,14 @@ collectives of different kinds (a buffer broadcast and a bucket all-reduce) neve
 both ranks would wait for the process group's timeout, 30 minutes by default. So each phase
 (the buffer broadcast of a training forward, a synced backward) first all-reduces a header of
 the same shape on every rank: one row per rank, ``[kind, forward count, backward count,
-payload]``, each rank writing only its own row. Whatever phase each rank is in, the headers pair with each
+payload...]``, each rank writing only its own row. Whatever phase each rank is in, the headers pair with each
 other, every rank learns what every other rank is doing, and all raise the same diagnosis
 before issuing anything that could not pair. A rank that is merely slow is not an error: the
 others wait in the header for the usual bound.
 
-The payload carries a float64 per rank at no extra collective (``GradientAccumulator``'s item
-count for the window). Its bits travel as an int64: only its own rank writes a row and the other
-ranks add zeros, so the value arrives exactly.
+The payload carries ``PAYLOAD`` float64 values per rank at no extra collective
+(``GradientAccumulator``'s window: how it normalizes, its item count). Their bits travel as int64:
+only its own rank writes a row and the other ranks add zeros, so the values arrive exactly.
 """
 from __future__ import annotations
 
@@ -23,21 +23,25 @@ import torch
 from .control import SyncError
 
 FORWARD, BACKWARD = 1, 2  # a joined rank shadowing the others writes a row of zeros
+PAYLOAD = 3  # float64 slots per rank
 
 
 def header_tensor(rank: int, world_size: int, kind: int, forward_count: int, backward_count: int,
-                  device: torch.device | None = None, payload: float = 0.0) -> torch.Tensor:
+                  device: torch.device | None = None, payload: Sequence[float] = ()) -> torch.Tensor:
     """Return this rank's header; ``kind=0`` for a rank that takes part without a phase of its own."""
-    header = torch.zeros(world_size, 4, dtype=torch.int64)
+    if len(payload) > PAYLOAD:
+        raise ValueError(f"gradsync: a phase header carries at most {PAYLOAD} values, got {len(payload)}")
+    header = torch.zeros(world_size, 3 + PAYLOAD, dtype=torch.int64)
     if kind:
-        bits = torch.tensor([payload], dtype=torch.float64).view(torch.int64)
+        values = list(payload) + [0.0] * (PAYLOAD - len(payload))
+        bits = torch.tensor(values, dtype=torch.float64).view(torch.int64)
         header[rank] = torch.cat([torch.tensor([kind, forward_count, backward_count]), bits])
     return header.to(device) if device is not None else header
 
 
-def payloads(header: torch.Tensor) -> list[float]:
-    """Return each rank's payload from a reduced header (0.0 for a joined rank)."""
-    return header[:, 3].cpu().contiguous().view(torch.float64).tolist()
+def payloads(header: torch.Tensor) -> list[tuple[float, ...]]:
+    """Return each rank's payload from a reduced header (zeros for a joined rank)."""
+    return [tuple(row) for row in header[:, 3:].cpu().contiguous().view(torch.float64).tolist()]
 
 
 def describe(row: Sequence[int]) -> str:

@@ -9,7 +9,7 @@ own group handle, so the control traffic can move to a CPU group without touchin
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -41,8 +41,8 @@ class ControlPlane:
         self.counters = counters
         self._header: torch.Tensor | None = None
         self._work: Any = None
-        self._payload: float | None = None  # to send in the next header
-        self._payloads: list[float] | None = None  # every rank's, from the latest header
+        self._payload: tuple[float, ...] = ()  # to send in the next header
+        self._payloads: dict[int, tuple[float, ...]] | None = None  # the active ranks', from the latest header
         self.active_ranks: list[int] | None = None  # inside DDP.join(): this forward's active ranks
 
     def set_active(self, ranks: list[int] | None) -> None:
@@ -54,15 +54,15 @@ class ControlPlane:
         return list(self.active_ranks) if self.active_ranks is not None else list(range(self.world_size))
 
     # ---------------------------------------------------------------- headers
-    def carry(self, value: float) -> Callable[[], list[float] | None]:
-        """Send ``value`` in the next synced backward's header; return a reader of every rank's values
-        (None until that header completed, or if none ran)."""
-        self._payload = float(value)
+    def carry(self, values: Sequence[float]) -> Callable[[], dict[int, tuple[float, ...]] | None]:
+        """Send ``values`` (at most ``header.PAYLOAD``) in the next synced backward's header; return a
+        reader of the active ranks' values, by rank (None until that header completed, or if none ran)."""
+        self._payload = tuple(float(v) for v in values)
         return lambda: self._payloads
 
     def launch_header(self, kind: int) -> None:
         """Start this phase's header all-reduce; ``kind=0`` shadows as a joined rank."""
-        payload, self._payload = self._payload or 0.0, None
+        payload, self._payload = self._payload, ()
         self._payloads = None
         if self.world_size > 1 and self.headers:
             c = self.counters
@@ -81,7 +81,8 @@ class ControlPlane:
             return
         self.wait(work, "the phase header")  # a slow rank is fine: this waits the usual bound
         check_header(self._header, rank=self.rank, active=self.active())
-        self._payloads = payloads(self._header)
+        rows = payloads(self._header)
+        self._payloads = {r: rows[r] for r in self.active()}
 
     def exchange_header(self, kind: int) -> None:
         """Run a header to completion before a phase whose first collective must pair (a broadcast)."""

@@ -6,7 +6,7 @@ module on one process) still works with the accumulator through torch's public a
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
@@ -26,10 +26,10 @@ class SyncTarget(Protocol):
     def wait(self, handle: Any, what: str) -> None:
         """Wait for a collective's Work or future, bounded by the model's timeout."""
 
-    def carry_with_next_sync(self, value: float) -> Callable[[], list[float] | None] | None:
-        """Send ``value`` with the next synced backward's phase header, at no extra collective;
-        return a reader of every rank's value (None until that backward's header completed), or
-        None if it cannot be carried (the caller then exchanges it itself)."""
+    def carry_with_next_sync(self, values: Sequence[float]) -> Callable[[], dict[int, tuple]] | None:
+        """Send ``values`` (a few floats) with the next synced backward's phase header, at no extra
+        collective; return a reader of the active ranks' values by rank (None until that backward's
+        header completed), or None if they cannot be carried (the caller exchanges them itself)."""
 
 
 @runtime_checkable

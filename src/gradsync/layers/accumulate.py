@@ -21,11 +21,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..core._torch import foreach_mul_, saved_mean_reduction
+from ..core.control import SyncError
 from ..core.seam import SyncTarget
 from .tree import flatten, narrow, row_bounds, unflatten
 from .window import WindowOptimizer, WindowScheduler
 
 _MEAN, _ITEMS = "mean loss", "num_items"
+_TAG = {_MEAN: 1.0, _ITEMS: 2.0}  # a window's kind as carried in the phase header (0.0: none carried)
+_KIND_OF_TAG = {0.0: "no acc.backward()", 1.0: "a mean loss (no num_items)", 2.0: "num_items"}
 
 
 class GradientAccumulator:
@@ -138,21 +141,23 @@ class GradientAccumulator:
                               "acc.backward(loss) without num_items", UserWarning, stacklevel=2)
             self._backward_items(loss, count)
             return
+        carried = self._carry(0.0)
         if self._weights is not None:
             (loss * self._weights[self._position - 1]).backward()
-            return
-        (loss / self._window_len).backward()
-        if self._boundary and self._position != self._window_len:  # the data ended early
+        else:
+            (loss / self._window_len).backward()
+        if carried is not None:
+            self._check_kinds(carried())
+        if self._weights is None and self._boundary and self._position != self._window_len:  # data ended early
             self._scale(self._window_len / self._position)
 
     def _backward_items(self, loss: torch.Tensor, count: torch.Tensor) -> None:
         self._items = count if self._items is None else self._items + count
-        work, carried = None, None
+        work = None
         exchange = self._boundary and self._world_size > 1
         # gradsync's DDP carries the count in the synced backward's phase header: no collective
         # of its own that could pair with a different one on a rank that disagrees about the window
-        if exchange and self._target is not None:
-            carried = self._target.carry_with_next_sync(float(self._items))
+        carried = self._carry(float(self._items))
         if exchange and carried is None:
             # Launched before backward on every rank, so it overlaps the backward and pairs up
             # with the same collective on the other ranks ahead of the gradient buckets.
@@ -162,17 +167,37 @@ class GradientAccumulator:
             return
         if work is not None:
             self._wait(work)
-        counts = carried() if carried is not None else None
-        if carried is not None and counts is None:
+        rows = carried() if carried is not None else None
+        if carried is not None and rows is None:
             raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
                                "parameter got one), so the item counts were not exchanged; every "
                                "window must end with a backward through the model")
-        total = sum(counts) if counts is not None else float(self._items)
+        if rows is not None:
+            self._check_kinds(rows)
+        total = sum(row[1] for row in rows.values()) if rows is not None else float(self._items)
         if not total > 0:
             raise ValueError(f"gradsync: num_items summed to {total:g} over the window and all ranks; "
                              "there is nothing to average over (pass the number of items each loss sums)")
         # the reduction already averaged over ranks: undo that, then divide by the global count
         self._scale(self._world_size / total)
+
+    def _carry(self, count: float) -> Any:
+        """At a window's synced backward, send this rank's kind of window (and item count) in its
+        phase header; return the reader of every active rank's, or None where nothing is carried."""
+        if not (self._boundary and self._world_size > 1 and self._target is not None):
+            return None
+        return self._target.carry_with_next_sync((_TAG[self._kind], count))
+
+    def _check_kinds(self, rows: dict[int, tuple[float, ...]] | None) -> None:
+        """Raise on every rank unless every rank normalized its window the same way."""
+        if rows is None or len({row[0] for row in rows.values()}) <= 1:
+            return
+        detail = ", ".join(f"rank {r}: {_KIND_OF_TAG.get(row[0], row[0])}" for r, row in sorted(rows.items()))
+        raise SyncError(
+            f"gradsync: the ranks closed window {self.windows} with different kinds of acc.backward() "
+            f"({detail}): a mean loss and a summed loss with num_items cannot be averaged together, so this "
+            "window's gradients are wrong on every rank. Call acc.backward(loss_sum, num_items=n) on every "
+            "rank, or acc.backward(mean_loss) on every rank; zero the gradients before stepping.")
 
     def _count_device(self) -> torch.device:
         for p in self.model.parameters():
