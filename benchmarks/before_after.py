@@ -3,11 +3,13 @@ working tree's, window by window on the same ranks, with an A/A pair (baseline a
 
 The baseline's ``src/gradsync`` (core and layers; its imports are relative) is exported with ``git archive``
 and imported as ``gradsync_base`` next to the working tree's ``gradsync``, in the same forked gloo ranks.
-Two groups, each timed in its own ranks on identical model copies, data and AdamW:
+Three groups, each timed in its own ranks on identical model copies, data and AdamW:
 
 - ``ddp``: torch's DDP (defaults, the reference of ``gradsync bench``), ``before``, ``before-again``
   (a second baseline instance: the A/A pair) and ``after`` -- gradsync's DDP with gradient views;
-- ``sharded``: torch's DDP, ``ShardedDataParallel`` + ``ShardedOptimizer`` before, before-again, after.
+- ``sharded``: torch's DDP, ``ShardedDataParallel`` + ``ShardedOptimizer`` before, before-again, after;
+- ``acc``: torch's DDP, and gradsync's DDP driven by ``GradientAccumulator`` with ``num_items`` (what
+  the window carries in its phase header, and the skip bookkeeping of issue 25) before, before-again, after.
 
 The order of a group's engines is shuffled every round (seeded by the round, the same on every rank), a
 window's time is the maximum over ranks, and ratios are paired round by round. Models: ``gradsync bench``'s
@@ -36,6 +38,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 import gradsync
 from gradsync.tools.bench.measure import _reduce, alternate
@@ -48,7 +51,9 @@ RESULTS = ROOT / "benchmarks" / "results"
 PACKAGES: dict[str, object] = {"after": gradsync}  # "before": gradsync_base, once exported
 SHARED_LOAD = 3.0  # a row whose 1-min load peaked above this shared the 2 cores with other jobs
 GROUPS = {"ddp": ["torch", "before", "before-again", "after"],
-          "sharded": ["torch", "sharded-before", "sharded-before-again", "sharded-after"]}
+          "sharded": ["torch", "sharded-before", "sharded-before-again", "sharded-after"],
+          # GradientAccumulator with num_items (summed losses): the window's carried header values
+          "acc": ["torch", "acc-before", "acc-before-again", "acc-after"]}
 
 
 def bench_models(quick: bool) -> list[ModelSpec]:
@@ -92,7 +97,7 @@ def make_engine(name: str, module):
     kw = dict(bucket_cap_mb=25.0, view=None, set_to_none=True, lr=1e-3)
     if name == "torch":
         return TorchEngine(module, **kw)
-    sharded = name.startswith("sharded-")
+    sharded, accumulated = name.startswith("sharded-"), name.startswith("acc-")
     pkg = PACKAGES["after" if name.endswith("after") else "before"]
 
     class Versioned(Engine):
@@ -107,13 +112,28 @@ def make_engine(name: str, module):
             if sharded:
                 return pkg.ShardedOptimizer(self.model, torch.optim.AdamW, lr=lr)
             return super().make_optimizer(lr)
-    return Versioned(module, **kw)
+
+        def micro_step(self, x, y, sync, probe=None):
+            if not accumulated:
+                return super().micro_step(x, y, sync)
+            acc = self.__dict__.get("acc")
+            if acc is None or acc.steps != self.accum:
+                acc = self.acc = pkg.GradientAccumulator(self.model, steps=self.accum)
+            with acc.accumulate():
+                out = self.model(x)
+                acc.backward(F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1), reduction="sum"),
+                             num_items=y.numel())
+    engine = Versioned(module, **kw)
+    engine.accum = 1
+    return engine
 
 
 def time_rank(rank, world, spec: ModelSpec, names: list[str], accum: int, warmup: int, reps: int) -> dict:
     """Alternate ``names`` window by window; wall time (max over ranks) and CPU time (sum) per window."""
     base = spec.build(seed=0)
     engines = {n: make_engine(n, copy.deepcopy(base)) for n in names}
+    for engine in engines.values():
+        engine.accum = accum  # the accumulator's window: the micro-steps alternate() runs per window
     res = alternate(engines, spec, rank, accum, warmup, reps)
     ref = [p.detach() for p in engines[names[1]].model.parameters()]  # every version trained on the same data
     diff = {n: _reduce([max((a - b).abs().max().item() for a, b in zip(engines[n].model.parameters(), ref))],

@@ -30,7 +30,9 @@ from .join import DDPJoinHook, Join
 from .config import ReducerConfig, resolve_reduce_dtype
 from .grad_state import grad_state, load_grad_state
 from .reducer import Reducer
+from . import standin
 from .snapshot import parameters_swapped, snapshot
+from .standin import Mark
 from .torch_extras import TorchDDPExtras
 
 
@@ -177,7 +179,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         swapped = parameters_swapped(self.module, self._param_snapshot, self.reducer.params)
         self._check_group()
         src = self._join.before_forward() if self._join_config.enable and self._join is not None else 0
-        buffers = list(self.module.buffers()) if self._will_broadcast_buffers() else []
+        buffers = list(self.module.buffers()) if self.will_broadcast_buffers() else []
         if buffers:
             self.reducer.plane.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
             self._broadcast(buffers, src)
@@ -189,7 +191,21 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
             self.reducer.prepare_for_backward(output, self.module.training, self.require_backward_grad_sync)
         return output
 
-    def _will_broadcast_buffers(self) -> bool:
+    # ---------------------------------------------------------------- skipped micro-steps (standin.py)
+    join_active = property(lambda self: self._join is not None)
+
+    def mark_micro_step(self) -> Mark:
+        """This rank's counters as a micro-step begins (``stand_in`` compares against them)."""
+        return standin.mark(self)
+
+    def stand_in(self, start: Mark, sync: bool) -> str:
+        """Run the collectives the other ranks ran in a micro-step this rank skipped (``standin.py``)."""
+        return standin.stand_in(self, start, sync)
+
+    def broadcast_buffers_from(self, src_rank: int) -> None:
+        self._broadcast(list(self.module.buffers()), src_rank)
+
+    def will_broadcast_buffers(self) -> bool:
         # Every training forward starts from rank 0's buffers, no_sync micro-steps included; eval
         # and no_grad forwards skip the broadcast, so rank-local evaluation needs no collective.
         return (self.forward_sync_buffers and self.require_forward_param_sync and self.world_size > 1

@@ -23,7 +23,7 @@ import torch
 from .control import SyncError
 
 FORWARD, BACKWARD = 1, 2  # a joined rank shadowing the others writes a row of zeros
-PAYLOAD = 3  # float64 slots per rank
+PAYLOAD = 4  # float64 slots per rank
 
 
 def header_tensor(rank: int, world_size: int, kind: int, forward_count: int, backward_count: int,

@@ -68,7 +68,7 @@ class DDPJoinHook(JoinHook):
         if work is not None:
             ddp.reducer.wait(work, "the join notification")
         will_sync = ddp.require_backward_grad_sync and torch.is_grad_enabled()
-        active, syncs, _ = self._handshake(True, will_sync, ddp._will_broadcast_buffers())
+        active, syncs, _ = self._handshake(True, will_sync, ddp.will_broadcast_buffers())
         ddp.reducer.plane.set_active(active)
         self.expect_sync = syncs if torch.is_grad_enabled() else None
         return active[0]

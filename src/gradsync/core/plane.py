@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .control import SyncError, bounded_wait
-from .header import check_header, header_tensor, payloads
+from .header import BACKWARD, check_header, header_tensor, payloads
 
 
 @dataclass
@@ -40,10 +40,12 @@ class ControlPlane:
         self.timeout = timeout
         self.counters = counters
         self._header: torch.Tensor | None = None
+        self._kind = 0  # the pending header's phase
         self._work: Any = None
         self._payload: tuple[float, ...] = ()  # to send in the next header
         self._payloads: dict[int, tuple[float, ...]] | None = None  # the active ranks', from the latest header
         self.active_ranks: list[int] | None = None  # inside DDP.join(): this forward's active ranks
+        self.headers_sent = 0  # phases this rank started (a skipped micro-step replays the missing ones)
 
     def set_active(self, ranks: list[int] | None) -> None:
         """Inside ``DDP.join()``: the ranks with data for this forward (None: every rank)."""
@@ -62,8 +64,11 @@ class ControlPlane:
 
     def launch_header(self, kind: int) -> None:
         """Start this phase's header all-reduce; ``kind=0`` shadows as a joined rank."""
-        payload, self._payload = self._payload, ()
-        self._payloads = None
+        payload = ()
+        if kind == BACKWARD:  # carried values go with a synced backward, never a forward's broadcast
+            payload, self._payload, self._payloads = self._payload, (), None
+        self._kind = kind
+        self.headers_sent += 1
         if self.world_size > 1 and self.headers:
             c = self.counters
             self._header = header_tensor(self.rank, self.world_size, kind, c.forward, c.backward, self.device,
@@ -81,8 +86,9 @@ class ControlPlane:
             return
         self.wait(work, "the phase header")  # a slow rank is fine: this waits the usual bound
         check_header(self._header, rank=self.rank, active=self.active())
-        rows = payloads(self._header)
-        self._payloads = {r: rows[r] for r in self.active()}
+        if self._kind == BACKWARD:
+            rows = payloads(self._header)
+            self._payloads = {r: rows[r] for r in self.active()}
 
     def exchange_header(self, kind: int) -> None:
         """Run a header to completion before a phase whose first collective must pair (a broadcast)."""

@@ -80,7 +80,7 @@ class Reducer:
         n = len(self.params)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.window_used = [False] * n  # used locally since the last synced backward
-        self._pending_forwards = 0  # forwards not yet followed by a backward
+        self.pending_forwards = 0  # forwards not yet followed by a backward
         self._armed = False  # the latest forward wanted its backward to synchronize
         self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
         self._warned_ignored = False
@@ -142,7 +142,7 @@ class Reducer:
         ``outputs`` to make the next backward sync). Only training forwards count for the
         skipped-backward check: an evaluation forward without ``torch.no_grad()`` is harmless.
         """
-        self._pending_forwards += 1
+        self.pending_forwards += 1
         self._armed = bool(sync)
         self.counters.forward += training
         self.expected.note_forward(outputs, self.config)
@@ -172,10 +172,10 @@ class Reducer:
         else:
             queue_end_of_backward(self._finalize)
         syncing = False
-        if self._pending_forwards == 0:  # no forward of the wrapper prepared it: local, as in torch
+        if self.pending_forwards == 0:  # no forward of the wrapper prepared it: local, as in torch
             self._warn_unprepared_backward()
         else:
-            self._pending_forwards -= 1
+            self.pending_forwards -= 1
             self.counters.backward += 1
             if self.counters.backward == 1:  # gradients restored from a mid-window checkpoint are window state
                 self.window_used = [self.store.has_local_grad(i) for i in range(len(self.params))]
@@ -221,6 +221,27 @@ class Reducer:
         while it.next_launch < len(buckets) and buckets[it.next_launch].pending == 0:
             self.launcher.launch(buckets[it.next_launch], buckets, it.record is not None)
             it.next_launch += 1
+
+    def drop_window(self) -> None:
+        """Forget this rank's local gradients since the last synced backward (a failed backward's
+        partial gradients among them): the next synced backward reduces nothing of them."""
+        self._reset_iteration()
+        self.store.drop_local()
+        self.window_used = [False] * len(self.params)
+
+    def sync_without_backward(self) -> None:
+        """Take part in the other ranks' synced backward with this rank's window so far, as if its own
+        backward produced no new gradient (a skipped micro-step: ``standin.py``); counters as set."""
+        n = len(self.params)
+        self.it = it = IterationState(in_backward=True, syncing=True, ready=[False] * n, hook_counts=[0] * n)
+        for b in self.store.buckets:
+            b.pending, b.handle = len(b.members), None
+        self.plane.launch_header(BACKWARD)
+        self.layout.begin_sync()
+        unused = set(self.expected.unused(n, self.config))
+        for i in range(n):
+            self._mark_ready(i, from_hook=i not in unused)
+        self._finalize()
 
     # ---------------------------------------------------------------- end of backward
     def _finalize(self) -> None:

@@ -32,6 +32,14 @@ class SyncTarget(Protocol):
         header completed), or None if they cannot be carried (the caller exchanges them itself)."""
 
 
+    def mark_micro_step(self) -> Any:
+        """This rank's counters as a micro-step begins."""
+
+    def stand_in(self, start: Any, sync: bool) -> str:
+        """After a micro-step this rank skipped, run the collectives the other ranks ran in it
+        (``core/standin.py``); return "replayed", "dropped" (local window dropped) or "failed"."""
+
+
 @runtime_checkable
 class ReducerView(Protocol):
     """What the layers read of ``model.reducer``: parameters, buckets and the bucket hook."""

@@ -179,6 +179,13 @@ class BucketStore:
             else:
                 p.grad.copy_(view)
 
+    def drop_local(self) -> None:
+        """Drop every local gradient (``.grad`` and, with ``reduce_dtype``, the window's slots)."""
+        for p in self.params:
+            p.grad = None
+        if self.main is not None:
+            self.main.fresh = [True] * len(self.params)
+
     def has_local_grad(self, i: int) -> bool:
         """Parameter ``i`` holds a gradient of this rank (in ``.grad`` or its window slot)."""
         return self.params[i].grad is not None or (self.main is not None and not self.main.fresh[i])

@@ -23,11 +23,13 @@ from torch import nn
 from ..core._torch import foreach_mul_, saved_mean_reduction
 from ..core.control import SyncError
 from ..core.seam import SyncTarget
+from .skips import SkipMicroStep, check_skip_on, exchange_records, reason_of, skippable
 from .tree import flatten, narrow, row_bounds, unflatten
 from .window import WindowOptimizer, WindowScheduler
 
 _MEAN, _ITEMS = "mean loss", "num_items"
-_TAG = {_MEAN: 1.0, _ITEMS: 2.0}  # a window's kind as carried in the phase header (0.0: none carried)
+# a window's kind as carried in the phase header: 0.0 none carried, 3.0 every micro-step skipped
+_TAG = {_MEAN: 1.0, _ITEMS: 2.0, None: 3.0}
 _KIND_OF_TAG = {0.0: "no acc.backward()", 1.0: "a mean loss (no num_items)", 2.0: "num_items"}
 
 
@@ -39,7 +41,8 @@ class GradientAccumulator:
     holding unreduced gradients, but the optimizer still steps only at window ends).
     """
 
-    def __init__(self, model: nn.Module, steps: int, sync_each_batch: bool = False):
+    def __init__(self, model: nn.Module, steps: int, sync_each_batch: bool = False, *,
+                 skip_on: Any = (), skip_nonfinite: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"gradsync: GradientAccumulator needs an nn.Module, got {type(model).__name__}")
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -66,8 +69,22 @@ class GradientAccumulator:
         self._items: torch.Tensor | None = None  # this rank's item count in the current window
         self._weights: list[float] | None = None  # per-micro-step loss weights of a split() window
         self._next_weights: list[float] | None = None
+        self._rows: list[int] | None = None  # rows of each micro-batch of a split() window
+        self._next_rows: list[int] | None = None
         self.windows = 0  # windows started so far
         self._warned_mean = False
+        # skips (skips.py): a micro-step that ends early on one rank costs that micro-step only
+        self.skip_on, self.skip_nonfinite = check_skip_on(skip_on), bool(skip_nonfinite)
+        if (self.skip_on or self.skip_nonfinite) and self._world_size > 1 and self._target is None:
+            raise ValueError("gradsync: skip_on and skip_nonfinite need a gradsync model on several ranks (it "
+                             f"replays a skipped micro-step's collectives); got {type(model).__name__}")
+        self._ran: list[int] = []  # positions of the micro-steps that ran in this window
+        self._units = 0  # their loss units: micro-steps, or rows of a split() window
+        self._records: list[tuple[int, str]] = []  # this window's (micro-step, reason) skips here
+        self._started = False  # this micro-step's backward began
+        self._mark: Any = None
+        self.skipped: list[tuple[int, int, str]] = []  # (rank, micro_step, reason) of the last closed window
+        self.window_empty = False  # every micro-step of the closed window was skipped: no step
 
     # ---------------------------------------------------------------- state
     @property
@@ -85,7 +102,9 @@ class GradientAccumulator:
         self._position = 0
         self._kind, self._items = None, None
         self._weights, self._next_weights = self._next_weights, None
+        self._rows, self._next_rows = self._next_rows, None
         self._window_len = len(self._weights) if self._weights is not None else self.steps
+        self._ran, self._units, self._records, self.window_empty = [], 0, [], False
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
@@ -98,12 +117,17 @@ class GradientAccumulator:
         self._position += 1
         self._boundary = self._position >= self._window_len or self._end_of_data
         self._end_of_data = False
-        self._active, self._backward_done = True, False
+        self._active, self._backward_done, self._started = True, False, False
         previous = self.model.require_backward_grad_sync if self._switchable else None
         if self._switchable:
             self.model.require_backward_grad_sync = self.sync_gradients
+        self._mark = self._target.mark_micro_step() if self._target is not None else None
         try:
             yield
+        except BaseException as exc:
+            if not skippable(exc, self.skip_on):
+                raise
+            self._skipped_here(exc)
         finally:
             self._active = False
             if self._switchable:
@@ -120,9 +144,11 @@ class GradientAccumulator:
         if not self._active:
             raise RuntimeError("gradsync: acc.backward() must run inside `with acc.accumulate():` (the "
                                "accumulator needs to know which micro-step of the window this is)")
-        if self._backward_done:
+        if self._started:
             raise RuntimeError("gradsync: acc.backward() was already called in this micro-step; add the "
                                "losses and call backward once per accumulate() block")
+        if self.skip_nonfinite and not bool(torch.isfinite(loss.detach()).all()):
+            raise SkipMicroStep(f"non-finite loss ({float(loss.detach().float().sum()):g})")
         kind = _MEAN if num_items is None else _ITEMS
         count = None if num_items is None else _as_count(num_items, self._count_device())
         if self._kind is None:
@@ -131,7 +157,6 @@ class GradientAccumulator:
             raise RuntimeError(f"gradsync: this window mixes backward with {self._kind} and with "
                                f"{kind}; use one kind for every micro-step of a window (pass num_items "
                                "on every call, or on none)")
-        self._backward_done = True
         if kind == _ITEMS:
             if not self._warned_mean and _is_mean(loss):
                 self._warned_mean = True
@@ -141,56 +166,137 @@ class GradientAccumulator:
                               "acc.backward(loss) without num_items", UserWarning, stacklevel=2)
             self._backward_items(loss, count)
             return
-        carried = self._carry(0.0)
+        unit = self._unit()
+        carried = self._carry(self._units + unit)
+        self._started = True
         if self._weights is not None:
             (loss * self._weights[self._position - 1]).backward()
         else:
             (loss / self._window_len).backward()
-        if carried is not None:
-            self._check_kinds(carried())
-        if self._weights is None and self._boundary and self._position != self._window_len:  # data ended early
-            self._scale(self._window_len / self._position)
+        self._ran_here(unit)
+        if self._boundary:
+            self._close(carried)
 
     def _backward_items(self, loss: torch.Tensor, count: torch.Tensor) -> None:
-        self._items = count if self._items is None else self._items + count
+        items = count if self._items is None else self._items + count
         work = None
-        exchange = self._boundary and self._world_size > 1
         # gradsync's DDP carries the count in the synced backward's phase header: no collective
         # of its own that could pair with a different one on a rank that disagrees about the window
-        carried = self._carry(float(self._items))
-        if exchange and carried is None:
+        unit = self._unit()
+        carried = self._carry(self._units + unit, float(items))
+        if self._boundary and self._world_size > 1 and carried is None:
             # Launched before backward on every rank, so it overlaps the backward and pairs up
             # with the same collective on the other ranks ahead of the gradient buckets.
-            work = dist.all_reduce(self._items, group=self._group, async_op=True)
+            total = items.clone()
+            work = (dist.all_reduce(total, group=self._group, async_op=True), total)
+        self._started = True
         loss.backward()
-        if not self._boundary:
-            return
-        if work is not None:
-            self._wait(work)
+        self._items = items
+        self._ran_here(unit)
+        if self._boundary:
+            self._close(carried, work)
+
+    def _unit(self) -> int:
+        """This micro-step's share of the window's loss: one micro-step, or its rows in a split() window."""
+        return 1 if self._weights is None else self._rows[self._position - 1]
+
+    def _ran_here(self, unit: int) -> None:
+        self._backward_done = True
+        self._ran.append(self._position)
+        self._units += unit
+
+    def _carry(self, units: int, count: float = 0.0) -> Any:
+        """At a window's synced backward, send this rank's kind of window, item count, loss units that
+        ran and number of skips in its phase header; return the reader of every active rank's, or None
+        where nothing is carried."""
+        if not (self._boundary and self._world_size > 1 and self._target is not None):
+            return None
+        return self._target.carry_with_next_sync((_TAG[self._kind], count, float(units), float(len(self._records))))
+
+    def _close(self, carried: Any, work: Any = None) -> None:
+        """The window's synced backward is done: rescale so that the window's gradient is the mean
+        over what ran on every rank (items, or loss units: micro-steps or rows), note the skips."""
         rows = carried() if carried is not None else None
         if carried is not None and rows is None:
             raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
                                "parameter got one), so the item counts were not exchanged; every "
                                "window must end with a backward through the model")
-        if rows is not None:
-            self._check_kinds(rows)
-        total = sum(row[1] for row in rows.values()) if rows is not None else float(self._items)
-        if not total > 0:
-            raise ValueError(f"gradsync: num_items summed to {total:g} over the window and all ranks; "
-                             "there is nothing to average over (pass the number of items each loss sums)")
-        # the reduction already averaged over ranks: undo that, then divide by the global count
-        self._scale(self._world_size / total)
+        if rows is None:  # one rank, or no header: every rank is taken to have run what this one did
+            w = self._world_size
+            total = float(self._items) if work is None and self._items is not None else None
+            if work is not None:
+                self._wait(work[0])
+                total = float(work[1])
+            rows = {0: (_TAG[self._kind], total or 0.0, float(w * self._units), float(len(self._records)))}
+        self._check_kinds(rows)
+        self.skipped = self._gather_skips(rows)
+        tags = {row[0] for row in rows.values()}
+        if _TAG[_ITEMS] in tags:
+            total = sum(row[1] for row in rows.values())
+            if not total > 0 and not self.skipped:
+                raise ValueError(f"gradsync: num_items summed to {total:g} over the window and all ranks; "
+                                 "there is nothing to average over (pass the number of items each loss sums)")
+            # the reduction already averaged over ranks: undo that, then divide by the global count
+            factor = self._world_size / total if total > 0 else None
+        else:
+            units = sum(row[2] for row in rows.values())
+            expected = self._window_len if self._weights is None else sum(self._rows)
+            factor = self._world_size * expected / units if units > 0 else None
+        if factor is None:
+            self.window_empty = True
+            warnings.warn(f"gradsync: every micro-step of window {self.windows} was skipped on every rank "
+                          f"({len(self.skipped)} skips); the optimizer and scheduler do not step for it",
+                          UserWarning, stacklevel=4)
+            return
+        self._scale(factor)
 
-    def _carry(self, count: float) -> Any:
-        """At a window's synced backward, send this rank's kind of window (and item count) in its
-        phase header; return the reader of every active rank's, or None where nothing is carried."""
-        if not (self._boundary and self._world_size > 1 and self._target is not None):
-            return None
-        return self._target.carry_with_next_sync((_TAG[self._kind], count))
+    def _gather_skips(self, rows: dict[int, tuple[float, ...]]) -> list[tuple[int, int, str]]:
+        if not any(row[3] for row in rows.values()):
+            return []
+        if self._target is None or self._world_size == 1:
+            return [(0, step, reason) for step, reason in self._records]
+        return exchange_records(self._records, rank=dist.get_rank(self._group), world_size=self._world_size,
+                                group=self._group, device=self._count_device(), wait=self._target.wait)
+
+    # ---------------------------------------------------------------- skips
+    def skip(self, reason: str = "skipped") -> None:
+        """End this micro-step on this rank: it contributes nothing, and the window's gradient is the
+        exact mean over what ran on every rank. Call it inside ``accumulate()``, before ``backward``."""
+        if not self._active:
+            raise RuntimeError("gradsync: acc.skip() must run inside `with acc.accumulate():`")
+        if self._backward_done:
+            raise RuntimeError("gradsync: acc.skip() after acc.backward(): this micro-step's gradient is "
+                               "already in the window; skip before the backward")
+        raise SkipMicroStep(str(reason))
+
+    def _skipped_here(self, exc: BaseException) -> None:
+        """This micro-step ended early (``exc``): record it and run what the other ranks run in it."""
+        if self._backward_done:  # the backward completed: its gradient is in, so this is no skip
+            raise exc
+        step = self._position - 1
+        self._records.append((step, reason_of(exc)))
+        # before the stand-in's synced backward, whose header carries it
+        carried = self._carry(self._units, float(self._items) if self._items is not None else 0.0)
+        status = self._target.stand_in(self._mark, self.sync_gradients) if self._target is not None \
+            else ("dropped" if self._started else "replayed")
+        if status == "failed":
+            raise RuntimeError(
+                f"gradsync: micro-step {step} of window {self.windows} failed during its synced backward "
+                f"({reason_of(exc)}); buckets holding part of its gradient were already sent, so it cannot "
+                "be skipped exactly. Only failures before or outside the synced backward are skipped.") from exc
+        if status == "dropped":  # a backward failed part-way: its partial gradients went with the window
+            if self._target is None:
+                for p in self.model.parameters():
+                    p.grad = None
+            self._records += [(k - 1, f"dropped with micro-step {step}: its backward failed part-way")
+                              for k in self._ran]
+            self._ran, self._units, self._items = [], 0, None
+        if self._boundary:
+            self._close(carried)
 
     def _check_kinds(self, rows: dict[int, tuple[float, ...]] | None) -> None:
         """Raise on every rank unless every rank normalized its window the same way."""
-        if rows is None or len({row[0] for row in rows.values()}) <= 1:
+        if rows is None or len({row[0] for row in rows.values()} - {_TAG[None]}) <= 1:
             return
         detail = ", ".join(f"rank {r}: {_KIND_OF_TAG.get(row[0], row[0])}" for r, row in sorted(rows.items()))
         raise SyncError(
@@ -260,6 +366,7 @@ class GradientAccumulator:
             raise ValueError(f"gradsync: cannot split a batch of {rows} rows into {n} micro-batches")
         bounds = row_bounds(rows, n)
         self._next_weights = [length / rows for _, length in bounds]
+        self._next_rows = [length for _, length in bounds]
         return [unflatten([narrow(v, start, length) for v in leaves], spec) for start, length in bounds]
 
     # ---------------------------------------------------------------- wrappers
@@ -289,7 +396,9 @@ class GradientAccumulator:
         return {"steps": self.steps, "sync_each_batch": self.sync_each_batch, "position": self._position,
                 "window_len": self._window_len, "boundary": self._boundary, "kind": self._kind,
                 "items": None if self._items is None else float(self._items),
-                "weights": self._weights, "next_weights": self._next_weights, "windows": self.windows}
+                "weights": self._weights, "next_weights": self._next_weights, "windows": self.windows,
+                "rows": self._rows, "next_rows": self._next_rows, "ran": list(self._ran), "units": self._units,
+                "skips": list(self._records)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume a window where ``state_dict()`` left it (gradients are the caller's to restore)."""
@@ -303,6 +412,15 @@ class GradientAccumulator:
         self._boundary, self._kind = state["boundary"], state["kind"]
         self._weights, self._next_weights = state["weights"], state["next_weights"]
         self.windows = state["windows"]
+        # checkpoints from before skips existed: every micro-step so far ran
+        self._rows, self._next_rows = state.get("rows"), state.get("next_rows")
+        if self._weights is not None and self._rows is None:
+            raise ValueError("gradsync: this checkpoint was saved mid-way through a split() window by an older "
+                             "gradsync; resume it at a window boundary")
+        ran = state.get("ran", list(range(1, self._position + 1)) if not self._boundary else [])
+        self._ran = list(ran)
+        self._units = state.get("units", len(ran) if self._rows is None else sum(self._rows[k - 1] for k in ran))
+        self._records = [tuple(r) for r in state.get("skips", [])]
         items = state["items"]
         self._items = None if items is None else torch.tensor(items, dtype=torch.float64,
                                                               device=self._count_device())

@@ -157,6 +157,23 @@ class ShardedBucketStore:
             if counts[i] > 0:  # unused on every rank: like torch, the optimizer skips it
                 self.has_grad[i] = True
 
+    def drop_local(self) -> None:
+        """Drop every local gradient (``.grad`` and ``reduce_dtype``'s window buffers); shards stay."""
+        for p in self.params:
+            p.grad = None
+        self._drop_main()
+
+    def _drop_main(self) -> None:
+        """Drop ``reduce_dtype``'s local accumulation of the window."""
+        if self.main is None:
+            return
+        self.main.fresh = [True] * len(self.params)
+        for b in self.buckets:
+            self.track(-self.staged_nbytes(b))
+            if b.handle is None:  # else a failed backward left it in flight: not reusable
+                self.pool.give(b.buffer)
+            b.buffer = None
+
     def has_local_grad(self, i: int) -> bool:
         return self.params[i].grad is not None or (self.main is not None and not self.main.fresh[i])
 
@@ -199,13 +216,7 @@ class ShardedBucketStore:
         if set_to_none:
             self.has_grad = [False] * len(self.params)
         self.partial = False
-        if self.main is not None:  # drop the window's local accumulation
-            self.main.fresh = [True] * len(self.params)
-            for b in self.buckets:
-                self.track(-self.staged_nbytes(b))
-                if b.handle is None:  # else a failed backward left it in flight: not reusable
-                    self.pool.give(b.buffer)
-                b.buffer = None
+        self._drop_main()
         for p in self.params:
             if p.grad is not None:
                 if set_to_none:

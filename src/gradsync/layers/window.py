@@ -29,7 +29,7 @@ class WindowOptimizer(torch.optim.Optimizer):
     defaults = property(lambda self: self.optimizer.defaults)
 
     def step(self, closure: Any = None) -> Any:
-        if self._acc.is_boundary:
+        if self._acc.is_boundary and not self._acc.window_empty:  # every micro-step skipped: no step
             return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
         return None
 
@@ -71,7 +71,7 @@ class WindowScheduler:
 
     def step(self, *args: Any, **kwargs: Any) -> None:
         acc = self._acc
-        if acc.is_boundary and acc.windows > 0 and self._stepped_window != acc.windows:
+        if acc.is_boundary and acc.windows > 0 and self._stepped_window != acc.windows and not acc.window_empty:
             self._stepped_window = acc.windows
             self.scheduler.step(*args, **kwargs)
 

@@ -1,0 +1,229 @@
+"""Skipped micro-steps (issue 25): one rank's OOM, NaN loss or bad batch costs that micro-step only.
+
+Each run follows a plan of faults, injected for real on one rank at one micro-step: an exception
+raised in forward, one raised in the middle of backward (after later layers' gradients were
+accumulated), a NaN loss, ``acc.skip()``. Every rank's parameters are compared with one process
+trained on exactly the micro-batches that ran, and the ranks with each other, bit for bit.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync.tools.launch import run_ranks
+from helpers import TIMEOUT, assert_close_dicts, batches, faults, params, shard
+
+STEPS, WINDOWS, ROWS = 3, 3, 4
+OOM = torch.OutOfMemoryError
+
+
+class FailInBackward(torch.autograd.Function):
+    """Identity; its backward raises, after the layers behind it got their gradients."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise OOM("injected: out of memory in backward")
+
+
+class Faulty(nn.Module):
+    def __init__(self, buffers=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin1, self.lin2, self.lin3 = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+        self.norm = nn.BatchNorm1d(16) if buffers else nn.Identity()  # buffers: a broadcast every forward
+        self.fault = None
+
+    def forward(self, x):
+        if self.fault == "forward":
+            raise OOM("injected: out of memory in forward")
+        h = torch.tanh(self.norm(self.lin1(x)))
+        if self.fault == "backward":
+            h = FailInBackward.apply(h)
+        return self.lin3(torch.tanh(self.lin2(h)))
+
+
+def counts(k, rank):
+    return 1 + (3 * k + rank) % ROWS  # items per micro-batch and rank: uneven, never zero
+
+
+# (window, micro-step, rank) -> fault; window 2: rank 0 skips it all
+MIXED = {(0, 0, 1): "forward", (0, 1, 1): "nan", (1, 1, 0): "backward", (1, 2, 1): "skip",
+         (2, 0, 0): "skip", (2, 1, 0): "forward", (2, 2, 0): "skip"}
+EVERY_RANK_SKIPS_WINDOW_1 = {(1, i, r): "skip" for i in range(STEPS) for r in range(3)}
+
+
+def micro_batches(world_size):
+    return batches(WINDOWS * STEPS, world_size, per_rank=ROWS)
+
+
+def train(rank, world_size, plan, mode, buffers=False, options=None):
+    opts = dict(options or {})
+    wrap, sync_each_batch = opts.pop("wrap", "ddp"), opts.pop("sync_each_batch", False)
+    net = Faulty(buffers)
+    if wrap == "sharded":
+        model = gradsync.ShardedDataParallel(net, bucket_cap_mb=0.001, **opts)
+        opt = gradsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    else:
+        model = gradsync.DDP(net, bucket_cap_mb=0.001, **opts)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradsync.GradientAccumulator(model, steps=STEPS, sync_each_batch=sync_each_batch,
+                                       skip_on=(OOM,), skip_nonfinite=True)
+    opt = acc.wrap_optimizer(opt)
+    skipped, empty = [], []
+    for k, (x, y) in enumerate(acc.iterate(micro_batches(world_size))):
+        fault = plan.get((*divmod(k, STEPS), rank))
+        x, y = shard(x, rank, world_size), shard(y, rank, world_size)
+        with acc.accumulate():
+            if fault == "skip":
+                acc.skip("empty batch")
+            net.fault = fault
+            out = model(x * float("nan") if fault == "nan" else x)
+            if mode == "mean":
+                acc.backward(F.mse_loss(out, y))
+            else:
+                n = counts(k, rank)
+                acc.backward(F.mse_loss(out[:n], y[:n], reduction="sum"), num_items=n)
+        net.fault = None
+        opt.step()
+        opt.zero_grad()
+        if acc.is_boundary:
+            skipped.append(list(acc.skipped))
+            empty.append(acc.window_empty)
+    return params(net), skipped, empty
+
+
+def kept(plan, world_size):
+    """Per window, the (micro-step, rank) pairs whose gradient the window keeps."""
+    windows = []
+    for w in range(WINDOWS):
+        ran = {(i, r) for i in range(STEPS) for r in range(world_size) if (w, i, r) not in plan}
+        for (pw, i, r), fault in plan.items():
+            if pw == w and fault == "backward":  # a failed backward drops that rank's window so far
+                ran -= {(j, r) for j in range(i)}
+        windows.append(sorted(ran))
+    return windows
+
+
+def reference(plan, mode, world_size, buffers=False):
+    net = Faulty(buffers)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    data = micro_batches(world_size)
+    for w, ran in enumerate(kept(plan, world_size)):
+        if not ran:
+            continue
+        losses, total = [], 0
+        for i, r in ran:
+            k = w * STEPS + i
+            x, y = shard(data[k][0], r, world_size), shard(data[k][1], r, world_size)
+            if mode == "mean":
+                losses.append(F.mse_loss(net(x), y))
+            else:
+                n = counts(k, r)
+                losses.append(F.mse_loss(net(x)[:n], y[:n], reduction="sum"))
+                total += n
+        (sum(losses) / (len(ran) if mode == "mean" else total)).backward()
+        opt.step()
+        opt.zero_grad()
+    return params(net)
+
+
+def check(results, plan, mode, world_size, buffers=False):
+    want = reference(plan, mode, world_size, buffers)
+    first_params, first_skipped, _ = results[0]
+    for got, skipped, _ in results:
+        assert_close_dicts(got, first_params, atol=0, rtol=0)  # ranks bit-identical
+        assert skipped == first_skipped  # acc.skipped is the same on every rank
+    assert_close_dicts(first_params, want)
+    for w, records in enumerate(first_skipped):
+        faulted = {(r, i) for (pw, i, r) in plan if pw == w}
+        assert faulted <= {(r, i) for r, i, _ in records}, (w, records)
+
+
+@pytest.mark.parametrize("world_size,mode,buffers", [(2, "mean", False), (2, "items", True),
+                                                     (3, "mean", True), (3, "items", False)])
+def test_every_kind_of_skip_is_exact(world_size, mode, buffers):
+    plan = {key: f for key, f in MIXED.items() if key[2] < world_size}
+    check(run_ranks(train, world_size, plan, mode, buffers), plan, mode, world_size, buffers)
+
+
+def test_reasons_name_the_fault_and_the_dropped_micro_steps():
+    plan = dict(MIXED)
+    _, skipped, _ = run_ranks(train, 2, plan, "mean")[0]
+    w0, w1 = skipped[0], skipped[1]
+    assert (1, 0, "OutOfMemoryError: injected: out of memory in forward") in w0
+    assert any(r == 1 and i == 1 and reason.startswith("non-finite loss") for r, i, reason in w0)
+    assert (0, 1, "OutOfMemoryError: injected: out of memory in backward") in w1
+    assert (0, 0, "dropped with micro-step 1: its backward failed part-way") in w1  # its partial gradients
+    assert (1, 2, "empty batch") in w1
+
+
+@pytest.mark.parametrize("mode", ["mean", "items"])
+def test_every_rank_skipping_a_window_steps_nothing_and_warns(mode):
+    plan = {key: f for key, f in EVERY_RANK_SKIPS_WINDOW_1.items() if key[2] < 2}
+    results = run_ranks(train, 2, plan, mode)
+    check(results, plan, mode, 2)
+    assert [empty for _, _, empty in results] == [[False, True, False]] * 2
+
+
+SYNCED = {key: f for key, f in MIXED.items() if f != "backward"}  # no backward fails while it syncs
+
+
+@pytest.mark.parametrize("how", ["sync_each_batch", "sharded", "reduce_dtype"])
+def test_skips_combine_with_other_modes(how):
+    opts = {"sync_each_batch": dict(sync_each_batch=True), "sharded": dict(wrap="sharded"),
+            "reduce_dtype": dict(reduce_dtype=torch.float32)}[how]
+    plan = {key: f for key, f in (SYNCED if how == "sync_each_batch" else MIXED).items() if key[2] < 2}
+    check(run_ranks(train, 2, plan, "items", False, opts), plan, "items", 2)
+
+
+def fails_while_syncing(rank, world_size):
+    from helpers import outcome
+    return outcome(lambda: train(rank, world_size, {(0, 2, 0): "backward"}, "mean", False, {"timeout": TIMEOUT}))
+
+
+def test_a_backward_failing_while_it_syncs_raises_on_every_rank():
+    results = faults(fails_while_syncing)
+    assert results[0][0] == "RuntimeError" and "cannot be skipped exactly" in results[0][1], results[0]
+    assert results[1][0] == "SyncError", results[1]
+
+
+def overlapped(rank, world_size):
+    from helpers import outcome
+    net = Faulty()
+    model = gradsync.DDP(net)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gradsync.overlap_optimizer(model, opt)
+    acc = gradsync.GradientAccumulator(model, steps=2)
+    x, y = micro_batches(world_size)[0]
+
+    def window():
+        for i in range(2):
+            with acc.accumulate():
+                if i == 0 and rank == 0:
+                    acc.skip("bad batch")
+                acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+    return outcome(window)
+
+
+def test_overlap_optimizer_refuses_a_window_with_a_skip():
+    for kind, message, _ in faults(overlapped):
+        assert kind == "RuntimeError" and "overlap_optimizer" in message
+
+
+def test_skip_on_refuses_what_must_never_be_skipped():
+    net = Faulty()
+    for bad in (Exception, RuntimeError, gradsync.SyncError, KeyboardInterrupt, "oom"):
+        with pytest.raises((TypeError, ValueError), match="skip_on"):
+            gradsync.GradientAccumulator(net, steps=2, skip_on=(bad,))
+    acc = gradsync.GradientAccumulator(net, steps=2, skip_on=(OOM,))
+    with pytest.raises(RuntimeError, match="inside"):
+        acc.skip()
+    with acc.accumulate():
+        acc.backward(net(torch.randn(2, 8)).sum())
+        with pytest.raises(RuntimeError, match="after acc.backward"):
+            acc.skip()
