@@ -115,10 +115,11 @@ def test_before_after_quick_run(tmp_path):
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     record = json.loads((tmp_path / "redesign_before_after-quick.json").read_text())
-    assert sorted((r["group"], r["run"]) for r in record["rows"]) == [(g, run) for g in ("ddp", "sharded")
+    assert sorted((r["group"], r["run"]) for r in record["rows"]) == [(g, run) for g in ("acc", "ddp", "sharded")
                                                                          for run in (1, 2)]
     assert record["code"]["before_file"] != record["code"]["after_file"]  # two different packages were timed
     for row in record["rows"]:  # the A/A pair trains identically (same code, same data): nothing about speed
-        assert row["max_param_diff"][{"ddp": "before-again", "sharded": "sharded-before-again"}[row["group"]]] == 0
+        again = {"ddp": "before-again", "sharded": "sharded-before-again", "acc": "acc-before-again"}[row["group"]]
+        assert row["max_param_diff"][again] == 0
     report = (tmp_path / "redesign_before_after-quick.md").read_text()
     assert report.count("| mlp-tiny | 1 | ddp |") == 3 and "## Do the runs agree?" in report  # 2 runs + agreement
