@@ -226,7 +226,7 @@ def summary(rows: list[dict]) -> list[str]:
 def report(rec: dict) -> str:
     m, code, rows = rec["machine"], rec["code"], rec["rows"]
     state = "plus uncommitted changes" if code.get("dirty") else "no uncommitted changes"
-    lines = [f"# Before/after the core redesign (issue 24): baseline {rec['base']} against the working tree", "",
+    lines = [f"# Before/after: baseline {rec['base']} against the working tree ({', '.join(rec.get('groups', GROUPS))})", "",
              f"{rec['world']} gloo ranks on {m['cpu']} ({m['cores']} cores), torch {rec['torch']}, AdamW, "
              f"one intra-op thread per rank; {rec['reps']} timed rounds per row after {rec['warmup']} warm-up "
              f"(tiny-params: x{rec['tiny_reps_factor']}), {rec['runs']} run(s), {rec['seconds']:.0f} s in all. "
@@ -318,7 +318,7 @@ def main(argv=None) -> dict:
     rec = {"machine": machine_info(), "torch": torch.__version__, "world": args.world, "base": args.base,
            "code": code, "reps": args.reps, "warmup": args.warmup, "tiny_reps_factor": args.tiny_reps_factor,
            "runs": args.runs, "load_before": load_before, "load_after": os.getloadavg(), "wait_load": args.wait_load,
-           "seconds": time.perf_counter() - start, "rows": rows}
+           "seconds": time.perf_counter() - start, "groups": list(args.groups), "rows": rows}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.stem}.json").write_text(json.dumps(rec, indent=1))
     (args.out / f"{args.stem}.md").write_text(report(rec))

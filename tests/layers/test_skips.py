@@ -5,6 +5,8 @@ raised in forward, one raised in the middle of backward (after later layers' gra
 accumulated), a NaN loss, ``acc.skip()``. Every rank's parameters are compared with one process
 trained on exactly the micro-batches that ran, and the ranks with each other, bit for bit.
 """
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -227,3 +229,25 @@ def test_skip_on_refuses_what_must_never_be_skipped():
         acc.backward(net(torch.randn(2, 8)).sum())
         with pytest.raises(RuntimeError, match="after acc.backward"):
             acc.skip()
+
+
+def refused(rank, world_size, how):
+    from helpers import outcome
+    net = Faulty()
+    model = gradsync.DDP(net, static_graph=how == "static_graph")
+    acc = gradsync.GradientAccumulator(model, steps=2, skip_on=(OOM,))
+    x, y = micro_batches(world_size)[0]
+    x, y = shard(x, rank, world_size), shard(y, rank, world_size)
+
+    def window():
+        with model.join() if how == "join" else contextlib.nullcontext():
+            for _ in range(2):
+                with acc.accumulate():
+                    acc.skip("bad batch")  # every rank: nothing is left out of step
+    return outcome(window)
+
+
+@pytest.mark.parametrize("how", ["join", "static_graph"])
+def test_skips_inside_join_or_with_static_graph_are_refused(how):
+    for kind, message, _ in run_ranks(refused, 2, how):
+        assert kind == "NotImplementedError" and how.split("_")[0] in message, message
