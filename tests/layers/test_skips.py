@@ -183,15 +183,30 @@ def test_skips_combine_with_other_modes(how):
     check(run_ranks(train, 2, plan, "items", False, opts), plan, "items", 2)
 
 
-def fails_while_syncing(rank, world_size):
+# a backward failing part-way in the window's synced micro-step: every rank reduces again without its window
+SYNC_FAILS = {(0, 2, 0): "backward", (1, 2, 1): "backward", (1, 0, 0): "nan", (2, 1, 0): "skip"}
+
+
+@pytest.mark.parametrize("world_size,mode", [(2, "mean"), (3, "items")])
+def test_a_backward_failing_while_it_syncs_is_reduced_again_without_its_window(world_size, mode):
+    plan = {key: f for key, f in SYNC_FAILS.items() if key[2] < world_size}
+    results = run_ranks(train, world_size, plan, mode)
+    check(results, plan, mode, world_size)
+    assert any(reason.startswith("dropped") for _, _, reason in results[0][1][0])
+
+
+def fails_while_syncing(rank, world_size, options):
     from helpers import outcome
-    return outcome(lambda: train(rank, world_size, {(0, 2, 0): "backward"}, "mean", False, {"timeout": TIMEOUT}))
+    return outcome(lambda: train(rank, world_size, {(0, 2, 0): "backward"}, "mean", False,
+                                 {"timeout": 60, **options}))
 
 
-def test_a_backward_failing_while_it_syncs_raises_on_every_rank():
-    results = faults(fails_while_syncing)
-    assert results[0][0] == "RuntimeError" and "cannot be skipped exactly" in results[0][1], results[0]
-    assert results[1][0] == "SyncError", results[1]
+@pytest.mark.parametrize("options", [{"gradient_as_bucket_view": True}, {"sync_each_batch": True}])
+def test_a_failed_synced_backward_that_cannot_be_redone_raises_on_every_rank_at_once(options):
+    # the failed rank flags itself in the control: no rank waits for the 60 s timeout
+    for kind, message, seconds in faults(fails_while_syncing, options):
+        assert kind == "SyncError" and "failed part-way" in message and "zero_grad" in message, message
+        assert seconds < 30
 
 
 def overlapped(rank, world_size):

@@ -1,11 +1,13 @@
 """The end-of-backward control all-reduce, the checks it enables, and bounded waits.
 
 Every synced backward ends with one small int32 all-reduce launched after the last bucket:
-``[backward counter per rank | used count per parameter | forward counter per rank | present]``.
+``[backward counter per rank | used count per parameter | forward counter per rank | failed flag
+per rank | present]``.
 Each rank writes only its own counter slots, so the sum is an all-gather of the counters; the
 used counts sum each rank's "this parameter produced a gradient" flag; ``present`` sums to the
 number of ranks that took part. That one collective lets every rank notice diverging ranks, name
-parameters that some rank produced no gradient for, and find parameters unused on every rank.
+parameters that some rank produced no gradient for, find parameters unused on every rank, and
+learn which ranks' backwards failed part-way (a skipped micro-step, ``core/standin.py``).
 """
 from __future__ import annotations
 
@@ -45,17 +47,21 @@ def bounded_wait(handle: Any, timeout: timedelta) -> None:
 
 def empty_control(world_size: int, n: int, device: torch.device | None = None) -> torch.Tensor:
     """Return a zero control: the contribution of a rank that takes no part (e.g. a joined one)."""
-    return torch.zeros(2 * world_size + n + 1, dtype=torch.int32, device=device)
+    return torch.zeros(3 * world_size + n + 1, dtype=torch.int32, device=device)
 
 
 def control_tensor(rank: int, world_size: int, backward_count: int, forward_count: int,
-                   used: Sequence[bool], device: torch.device | None = None) -> torch.Tensor:
-    """Build this rank's control on ``device`` (NCCL reduces only tensors on the rank's GPU)."""
+                   used: Sequence[bool], device: torch.device | None = None, failed: int = 0) -> torch.Tensor:
+    """Build this rank's control on ``device`` (NCCL reduces only tensors on the rank's GPU).
+
+    ``failed``: 1 when this rank's backward failed part-way and its window can be reduced again
+    without it, 2 when it cannot (it already held synced gradients of the window)."""
     w, n = world_size, len(used)
     control = empty_control(w, n)
     control[rank] = backward_count
     control[w:w + n] = torch.tensor(used, dtype=torch.int32)
     control[w + n + rank] = forward_count
+    control[2 * w + n + rank] = failed
     control[-1] = 1
     return control.to(device) if device is not None else control
 
@@ -63,6 +69,12 @@ def control_tensor(rank: int, world_size: int, backward_count: int, forward_coun
 def used_counts(control: torch.Tensor, world_size: int, n: int) -> list[int]:
     """Return, per parameter, how many ranks produced a gradient for it."""
     return control[world_size:world_size + n].tolist()
+
+
+def failed_ranks(control: torch.Tensor, world_size: int, n: int) -> dict[int, int]:
+    """Return {rank: flag} for the ranks whose backward failed part-way and sent their buckets anyway."""
+    flags = control[2 * world_size + n:3 * world_size + n].tolist()
+    return {r: flag for r, flag in enumerate(flags) if flag}
 
 
 def check_agreement(control: torch.Tensor, *, rank: int, world_size: int, n: int,

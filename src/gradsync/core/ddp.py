@@ -198,9 +198,13 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         """This rank's counters as a micro-step begins (``stand_in`` compares against them)."""
         return standin.mark(self)
 
-    def stand_in(self, start: Mark, sync: bool) -> str:
+    def stand_in(self, start: Mark, sync: bool, again: bool = True) -> str:
         """Run the collectives the other ranks ran in a micro-step this rank skipped (``standin.py``)."""
-        return standin.stand_in(self, start, sync)
+        return standin.stand_in(self, start, sync, again)
+
+    def failed_ranks(self) -> list[int]:
+        """Ranks whose latest synced backward failed part-way (their window was reduced as nothing)."""
+        return list(self.reducer.failed_ranks)
 
     def broadcast_buffers_from(self, src_rank: int) -> None:
         self._broadcast(list(self.module.buffers()), src_rank)

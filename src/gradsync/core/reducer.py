@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import guard, messages
+from . import guard, messages, standin
 from ._torch import in_compiled_autograd, queue_end_of_backward
 from .autocap import AutoCaps
 from .config import ReducerConfig
-from .control import check_agreement, check_finite, check_missing, control_tensor, used_counts
+from .control import check_agreement, check_finite, check_missing, control_tensor, failed_ranks, used_counts
 from .graph import Expected
 from .header import BACKWARD
 from .launcher import BucketLauncher
@@ -80,6 +80,7 @@ class Reducer:
         n = len(self.params)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.window_used = [False] * n  # used locally since the last synced backward
+        self.failed_ranks: list[int] = []  # ranks whose latest synced backward failed part-way
         self.pending_forwards = 0  # forwards not yet followed by a backward
         self._armed = False  # the latest forward wanted its backward to synchronize
         self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
@@ -173,7 +174,9 @@ class Reducer:
             queue_end_of_backward(self._finalize)
         syncing = False
         if self.pending_forwards == 0:  # no forward of the wrapper prepared it: local, as in torch
-            self._warn_unprepared_backward()
+            if not self._warned_ignored:  # its gradients are reduced at the next synced backward
+                self._warned_ignored = True
+                warnings.warn(messages.UNPREPARED_BACKWARD, stacklevel=3)
         else:
             self.pending_forwards -= 1
             self.counters.backward += 1
@@ -185,17 +188,20 @@ class Reducer:
         if not syncing:
             self._mark_unsynced()
             return
-        it.syncing = True
+        for i in self._begin_sync(it):
+            self._mark_ready(i, from_hook=False)
+
+    def _begin_sync(self, it: IterationState) -> list[int]:
+        """Start a synced backward's state and header; return the parameters it will not produce."""
         n = len(self.params)
-        it.ready, it.hook_counts = [False] * n, [0] * n
+        it.syncing, it.ready, it.hook_counts = True, [False] * n, [0] * n
         for b in self.store.buckets:
             b.pending, b.handle = len(b.members), None
         self.plane.launch_header(BACKWARD)  # checked before the first bucket launches
         self.layout.begin_sync()
         if self.trace is not None:
             it.record = {"iteration": self.counters.sync, "backward_start": time.perf_counter(), "buckets": []}
-        for i in self.expected.unused(n, self.config):
-            self._mark_ready(i, from_hook=False)
+        return self.expected.unused(n, self.config)
 
     def _mark_ready(self, i: int, from_hook: bool = True) -> None:
         it = self.it
@@ -232,14 +238,9 @@ class Reducer:
     def sync_without_backward(self) -> None:
         """Take part in the other ranks' synced backward with this rank's window so far, as if its own
         backward produced no new gradient (a skipped micro-step: ``standin.py``); counters as set."""
-        n = len(self.params)
-        self.it = it = IterationState(in_backward=True, syncing=True, ready=[False] * n, hook_counts=[0] * n)
-        for b in self.store.buckets:
-            b.pending, b.handle = len(b.members), None
-        self.plane.launch_header(BACKWARD)
-        self.layout.begin_sync()
-        unused = set(self.expected.unused(n, self.config))
-        for i in range(n):
+        self.it = it = IterationState(in_backward=True)
+        unused = set(self._begin_sync(it))
+        for i in range(len(self.params)):
             self._mark_ready(i, from_hook=i not in unused)
         self._finalize()
 
@@ -251,7 +252,16 @@ class Reducer:
         finally:
             self.it.in_backward = self.it.syncing = False
 
-    def _finish_sync(self) -> None:
+    def fail_sync(self, again: bool = True) -> None:
+        """This rank's synced backward failed part-way: send its buckets anyway, flagged in the control,
+        so that every rank reduces again without this rank's window (``standin.reduce_again_without``);
+        ``again=False``: that would not be exact, every rank raises."""
+        try:
+            self._finish_sync(failed=1 if again else 2)
+        finally:
+            self.it.in_backward = self.it.syncing = False
+
+    def _finish_sync(self, failed: int = 0) -> None:
         it, store, n = self.it, self.store, len(self.params)
         if self.config.static_graph and self.expected.static_counts is None:
             self.expected.static_counts = list(it.hook_counts)
@@ -269,8 +279,8 @@ class Reducer:
 
         tracks_unused = self.config.find_unused_parameters or self.config.static_graph
         c = self.counters
-        control = control_tensor(self.rank, self.world_size, c.backward, c.forward,
-                                 self.window_used if tracks_unused else ready_in_hooks, self.device)
+        used = self.window_used if tracks_unused else [True] * n if failed else ready_in_hooks
+        control = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed)
         self.launcher.before_control([b.handle for b in store.buckets])
         control_work = self.plane.launch_control(control)
 
@@ -284,6 +294,10 @@ class Reducer:
         active = self.plane.active()
         check_agreement(control, rank=self.rank, world_size=self.world_size, n=n, active=active, sync_count=c.sync)
         counts = used_counts(control, self.world_size, n)
+        flags = failed_ranks(control, self.world_size, n)
+        self.failed_ranks = sorted(flags)
+        if flags:  # a rank's backward failed part-way: reduce again without its window
+            results = standin.reduce_again_without(self, flags)
         if self.config.check_finite and results is not None and not store.sharded:
             check_finite(results, [b.members for b in store.buckets], self.params, self.names)
         if graph_changed:
@@ -328,13 +342,6 @@ class Reducer:
         self.it.record = None
 
     # ---------------------------------------------------------------- bookkeeping
-    def _warn_unprepared_backward(self) -> None:
-        """Once: a backward no forward of the wrapper prepared (or a second one through one forward)
-        stays local, like torch's; its gradients are reduced at the next synced backward."""
-        if not self._warned_ignored:
-            self._warned_ignored = True
-            warnings.warn(messages.UNPREPARED_BACKWARD, stacklevel=3)
-
     def _reset_iteration(self) -> None:
         self.it = IterationState()
         self.plane.drop_header()

@@ -35,9 +35,13 @@ class SyncTarget(Protocol):
     def mark_micro_step(self) -> Any:
         """This rank's counters as a micro-step begins."""
 
-    def stand_in(self, start: Any, sync: bool) -> str:
+    def stand_in(self, start: Any, sync: bool, again: bool = True) -> str:
         """After a micro-step this rank skipped, run the collectives the other ranks ran in it
-        (``core/standin.py``); return "replayed", "dropped" (local window dropped) or "failed"."""
+        (``core/standin.py``); return "replayed", "dropped" or "resynced" (local window dropped)."""
+
+
+    def failed_ranks(self) -> list[int]:
+        """Ranks whose latest synced backward failed part-way and were reduced as contributing nothing."""
 
 
 @runtime_checkable

@@ -47,6 +47,8 @@ class BucketStore:
     """Gradient buckets of full size, one per group of parameters, averaged by an all-reduce."""
 
     replans = True  # buckets may be laid out again from the observed gradient order
+    # the window's local gradients survive a reduction (not views of the buckets, nor their slots)
+    keeps_local_grads = property(lambda self: not self.grad_as_view and self.main is None)
     sharded = False
     exclusive = False  # True: only the store's own optimizer may step its parameters (guard.py)
 

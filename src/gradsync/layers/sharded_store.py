@@ -41,6 +41,7 @@ class ShardedBucket(Bucket):
 class ShardedBucketStore:
     replans = False  # parameters live in bucket-shaped buffers laid out at construction
     sharded = True
+    keeps_local_grads = False  # copy_in releases .grad into the staging buckets
     exclusive = True  # only ShardedOptimizer may step these parameters (.grad is None after a sync)
     gathers = None  # ShardedOptimizer(prefetch=True)'s pending parameter all-gathers (sharded_prefetch.py)
 
