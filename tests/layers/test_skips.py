@@ -266,3 +266,35 @@ def refused(rank, world_size, how):
 def test_skips_inside_join_or_with_static_graph_are_refused(how):
     for kind, message, _ in run_ranks(refused, 2, how):
         assert kind == "NotImplementedError" and how.split("_")[0] in message, message
+
+
+def with_grad_scaler(rank, world_size, scaled):
+    net = Faulty()
+    model = gradsync.DDP(net)
+    acc = gradsync.GradientAccumulator(model, steps=STEPS, skip_on=(OOM,), skip_nonfinite=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if scaled else None
+    plan = {(0, 1, 1): "nan", (1, 2, 0): "skip"}
+    for k, (x, y) in enumerate(acc.iterate(micro_batches(world_size))):
+        fault = plan.get((*divmod(k, STEPS), rank))
+        x, y = shard(x, rank, world_size), shard(y, rank, world_size)
+        with acc.accumulate():
+            if fault == "skip":
+                acc.skip("empty batch")
+            loss = F.mse_loss(model(x * float("nan") if fault == "nan" else x), y)
+            acc.backward(scaler.scale(loss) if scaled else loss)
+        if acc.is_boundary:  # the scaler unscales and checks the reduced window, once per window
+            if scaled:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
+    return params(net)
+
+
+def test_grad_scaler_steps_the_window_the_skips_left():
+    # a power-of-two scale is exact: scaled and unscaled training agree bit for bit
+    scaled, plain = run_ranks(with_grad_scaler, 2, True), run_ranks(with_grad_scaler, 2, False)
+    for a, b in zip(scaled, plain):
+        assert_close_dicts(a, b, atol=0, rtol=0)
