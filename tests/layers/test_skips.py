@@ -175,10 +175,11 @@ def test_every_rank_skipping_a_window_steps_nothing_and_warns(mode):
 SYNCED = {key: f for key, f in MIXED.items() if f != "backward"}  # no backward fails while it syncs
 
 
-@pytest.mark.parametrize("how", ["sync_each_batch", "sharded", "reduce_dtype"])
+@pytest.mark.parametrize("how", ["sync_each_batch", "sharded", "reduce_dtype", "find_unused_parameters"])
 def test_skips_combine_with_other_modes(how):
     opts = {"sync_each_batch": dict(sync_each_batch=True), "sharded": dict(wrap="sharded"),
-            "reduce_dtype": dict(reduce_dtype=torch.float32)}[how]
+            "reduce_dtype": dict(reduce_dtype=torch.float32),
+            "find_unused_parameters": dict(find_unused_parameters=True)}[how]
     plan = {key: f for key, f in (SYNCED if how == "sync_each_batch" else MIXED).items() if key[2] < 2}
     check(run_ranks(train, 2, plan, "items", False, opts), plan, "items", 2)
 
