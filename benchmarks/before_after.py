@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -45,6 +44,7 @@ from gradsync.tools.bench.measure import _reduce, alternate
 from gradsync.tools.bench.models import Engine, ModelSpec, TorchEngine
 from gradsync.tools.bench.run import full_plan, machine_info, quick_plan
 from gradsync.tools.launch import run_ranks
+from sharded_speed import write_record  # this script's folder is on sys.path when it runs
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -288,7 +288,7 @@ def main(argv=None) -> dict:
     p.add_argument("--quick", action="store_true", help="tiny models, 1 round: a smoke test, not a measurement")
     args = p.parse_args(argv)
     if args.quick:
-        args.reps, args.warmup, args.tiny_reps_factor, args.stem = 1, 1, 1, args.stem + "-quick"
+        args.reps, args.warmup, args.tiny_reps_factor = 1, 1, 1
     args.runs = args.runs or (1 if args.quick else 2)
     PACKAGES["before"], root = export_base(args.base)
     try:
@@ -319,11 +319,7 @@ def main(argv=None) -> dict:
            "code": code, "reps": args.reps, "warmup": args.warmup, "tiny_reps_factor": args.tiny_reps_factor,
            "runs": args.runs, "load_before": load_before, "load_after": os.getloadavg(), "wait_load": args.wait_load,
            "seconds": time.perf_counter() - start, "groups": list(args.groups), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.stem}.json").write_text(json.dumps(rec, indent=1))
-    (args.out / f"{args.stem}.md").write_text(report(rec))
-    print(report(rec))
-    return rec
+    return write_record(args, args.stem, rec, report)
 
 
 if __name__ == "__main__":

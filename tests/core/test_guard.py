@@ -158,15 +158,20 @@ class Recording(torch.optim.SGD):
         return super().step(closure)
 
 
-def unrelated_closure(rank, world_size):
-    model = gradsync.ShardedDataParallel(mlp())  # registers with the guard on any world size
+def unrelated_optimizer():
+    """An optimizer over parameters no gradsync model owns, and a closure that back-propagates them."""
     other = torch.nn.Linear(3, 3)
-    opt = Recording(other.parameters(), lr=0.1)
 
     def closure():
         loss = other(torch.randn(2, 3)).sum()
         loss.backward()
         return loss
+    return Recording(other.parameters(), lr=0.1), closure
+
+
+def unrelated_closure(rank, world_size):
+    model = gradsync.ShardedDataParallel(mlp())  # registers with the guard on any world size
+    opt, closure = unrelated_optimizer()
     opt.step(closure)
     assert opt.seen is closure  # no gradsync model touches it: the guard stays out of its way
     opt.step(closure=closure)
@@ -223,13 +228,7 @@ def test_only_optimizers_of_registered_reducers_get_their_closure_checked():
 
 def unrelated_closure_ddp(rank, world_size):
     model = gradsync.DistributedDataParallel(mlp())
-    other = torch.nn.Linear(3, 3)
-    opt = Recording(other.parameters(), lr=0.1)
-
-    def closure():
-        loss = other(torch.randn(2, 3)).sum()
-        loss.backward()
-        return loss
+    opt, closure = unrelated_optimizer()
     opt.step(closure)
     unrelated = opt.seen is closure
     mine = Recording(model.parameters(), lr=0.1)

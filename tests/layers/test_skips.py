@@ -14,7 +14,7 @@ from torch import nn
 
 import gradsync
 from gradsync.tools.launch import run_ranks
-from helpers import TIMEOUT, assert_close_dicts, batches, faults, params, shard
+from helpers import assert_close_dicts, batches, faults, params, shard
 
 STEPS, WINDOWS, ROWS = 3, 3, 4
 OOM = torch.OutOfMemoryError
@@ -77,26 +77,34 @@ def train(rank, world_size, plan, mode, buffers=False, options=None):
                                        skip_on=(OOM,), skip_nonfinite=True)
     opt = acc.wrap_optimizer(opt)
     skipped, empty = [], []
-    for k, (x, y) in enumerate(acc.iterate(micro_batches(world_size))):
-        fault = plan.get((*divmod(k, STEPS), rank))
-        x, y = shard(x, rank, world_size), shard(y, rank, world_size)
-        with acc.accumulate():
-            if fault == "skip":
-                acc.skip("empty batch")
-            net.fault = fault
-            out = model(x * float("nan") if fault == "nan" else x)
-            if mode == "mean":
-                acc.backward(F.mse_loss(out, y))
-            else:
-                n = counts(k, rank)
-                acc.backward(F.mse_loss(out[:n], y[:n], reduction="sum"), num_items=n)
-        net.fault = None
+    for k, fault, x, y in planned_micro_steps(acc, plan, rank, world_size):
+        n = counts(k, rank)
+        faulty_micro_step(acc, model, net, x, fault, lambda out: (F.mse_loss(out, y),) if mode == "mean"
+                          else (F.mse_loss(out[:n], y[:n], reduction="sum"), n))
         opt.step()
         opt.zero_grad()
         if acc.is_boundary:
             skipped.append(list(acc.skipped))
             empty.append(acc.window_empty)
     return params(net), skipped, empty
+
+
+def planned_micro_steps(acc, plan, rank, world_size):
+    """Yield (index, this rank's fault or None, x, y) for every micro-step, through ``acc.iterate``."""
+    for k, (x, y) in enumerate(acc.iterate(micro_batches(world_size))):
+        yield k, plan.get((*divmod(k, STEPS), rank)), shard(x, rank, world_size), shard(y, rank, world_size)
+
+
+def faulty_micro_step(acc, model, net, x, fault, loss_of):
+    """One micro-step with ``fault`` injected for real; ``loss_of(output)`` gives acc.backward's arguments."""
+    with acc.accumulate():
+        if fault == "skip":
+            acc.skip("empty batch")
+        net.fault = fault
+        try:
+            acc.backward(*loss_of(model(x * float("nan") if fault == "nan" else x)))
+        finally:
+            net.fault = None
 
 
 def kept(plan, world_size):
@@ -276,14 +284,9 @@ def with_grad_scaler(rank, world_size, scaled):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 4) if scaled else None
     plan = {(0, 1, 1): "nan", (1, 2, 0): "skip"}
-    for k, (x, y) in enumerate(acc.iterate(micro_batches(world_size))):
-        fault = plan.get((*divmod(k, STEPS), rank))
-        x, y = shard(x, rank, world_size), shard(y, rank, world_size)
-        with acc.accumulate():
-            if fault == "skip":
-                acc.skip("empty batch")
-            loss = F.mse_loss(model(x * float("nan") if fault == "nan" else x), y)
-            acc.backward(scaler.scale(loss) if scaled else loss)
+    for _, fault, x, y in planned_micro_steps(acc, plan, rank, world_size):
+        faulty_micro_step(acc, model, net, x, fault,
+                          lambda out: (scaler.scale(F.mse_loss(out, y)) if scaled else F.mse_loss(out, y),))
         if acc.is_boundary:  # the scaler unscales and checks the reduced window, once per window
             if scaled:
                 scaler.step(opt)

@@ -13,7 +13,7 @@ Dynamo's import (``process.skip_in_dynamo``): constructing a wrapper does not im
 from __future__ import annotations
 
 from . import process
-from ._torch import active_ddp_module as active_ddp, in_compiled_autograd
+from ._torch import active_ddp_module as active_ddp
 
 MiB = 1024 * 1024
 
@@ -30,4 +30,4 @@ def bucket_bytes_caps(bucket_cap_mb: float | tuple[float, ...], first_bucket_cap
     return int(cap * MiB), int(min(first_bucket_cap_mb, cap) * MiB)
 
 
-__all__ = ["active_ddp", "bucket_bytes_caps", "in_compiled_autograd", "skip_wrapper_frames"]
+__all__ = ["active_ddp", "bucket_bytes_caps", "skip_wrapper_frames"]

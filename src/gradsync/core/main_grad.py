@@ -39,6 +39,10 @@ class MainGrads:
             h.remove()
         self._handles = []
 
+    def forget_window(self) -> None:
+        """Every slot starts a new window at its next gradient (the window's sums are dropped)."""
+        self.fresh = [True] * len(self.params)
+
     def _start_slot(self, i: int) -> None:
         """Begin parameter ``i``'s window: its slot starts from ``.grad`` (None: zero), exactly
         (the fp32 average) when ``.grad`` is still the untouched copy written at the last sync."""

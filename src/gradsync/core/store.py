@@ -186,7 +186,7 @@ class BucketStore:
         for p in self.params:
             p.grad = None
         if self.main is not None:
-            self.main.fresh = [True] * len(self.params)
+            self.main.forget_window()
 
     def has_local_grad(self, i: int) -> bool:
         """Parameter ``i`` holds a gradient of this rank (in ``.grad`` or its window slot)."""

@@ -168,7 +168,7 @@ class ShardedBucketStore:
         """Drop ``reduce_dtype``'s local accumulation of the window."""
         if self.main is None:
             return
-        self.main.fresh = [True] * len(self.params)
+        self.main.forget_window()
         for b in self.buckets:
             self.track(-self.staged_nbytes(b))
             if b.handle is None:  # else a failed backward left it in flight: not reusable
