@@ -7,11 +7,12 @@ command line, demo, benchmarks and local launcher and is not imported here.
 from .core import (DDP, DistributedDataParallel, GradBucket, SyncError, allreduce_hook, bf16_compress_hook,
                    bf16_wire_hook, fp16_compress_hook, noop_hook, replace_torch_ddp)
 from .layers import Chunked, GradientAccumulator, ShardedDataParallel, ShardedOptimizer, overlap_optimizer
+from . import elastic
 
 __version__ = "0.1.0"
 __all__ = [
     "Chunked", "DDP", "DistributedDataParallel", "GradBucket", "GradientAccumulator",
-    "ShardedDataParallel", "ShardedOptimizer", "SyncError",
+    "ShardedDataParallel", "ShardedOptimizer", "SyncError", "elastic",
     "allreduce_hook", "bf16_compress_hook", "bf16_wire_hook", "fp16_compress_hook", "noop_hook",
     "overlap_optimizer", "replace_torch_ddp",
 ]

@@ -177,7 +177,8 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "device_index",
+__all__ = ["BatchNormBase", "Future", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
+           "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
            "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
@@ -194,3 +195,27 @@ def to_kwargs(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple,
 # The base class of BatchNorm1d/2d/3d and SyncBatchNorm (running statistics change per call):
 # Chunked refuses to split such a module, whose chunked statistics would differ from one call's.
 BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
+
+
+def detach_default_group() -> Any:
+    """Unregister torch's default process group without shutting it down; return it (or None).
+
+    Elastic membership (``layers/elastic.py``) replaces the default group when a member leaves.
+    ``destroy_process_group`` would shut the old group down, which joins its worker threads, and a
+    thread whose collective waits on a member that stopped sending blocks until gloo's timeout. The
+    caller keeps the returned group referenced so that its destructor does not run either."""
+    if not dist.is_initialized():
+        return None
+    c10d = dist.distributed_c10d
+    pg = c10d._get_default_group()
+    c10d._update_default_pg(None)
+    world = c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                  world.pg_to_tag, world.pg_coalesce_state):
+        table.pop(pg, None)
+    for groups in world.tags_to_pg.values():
+        if pg in groups:
+            groups.remove(pg)
+    c10d._unregister_process_group(pg.group_name)
+    world.group_count = 0  # the next default group gets the name a fresh process would give it
+    return pg

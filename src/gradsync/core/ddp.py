@@ -30,7 +30,7 @@ from .join import DDPJoinHook, Join
 from .config import ReducerConfig, resolve_reduce_dtype
 from .grad_state import grad_state, load_grad_state
 from .reducer import Reducer
-from . import standin
+from . import membership, standin
 from .snapshot import parameters_swapped, snapshot
 from .standin import Mark
 from .torch_extras import TorchDDPExtras
@@ -130,6 +130,9 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
                                 + (list(module.buffers()) if init_sync_buffers else []), timeout=config.timeout)
         self._param_snapshot = snapshot(module)
         self._build_reducer(config)
+        follows = membership.current()
+        if follows is not None and process_group is None and device_mesh is None:
+            membership.follow(self, follows)  # layers/elastic.py: re-form after a member leaves
 
     def make_reducer(self, params: list[nn.Parameter], names: list[str], config: ReducerConfig) -> Reducer:
         """Build the reducer over ``params``; a subclass plugs in another store and launcher (sharded)."""
@@ -180,9 +183,14 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         self._check_group()
         src = self._join.before_forward() if self._join_config.enable and self._join is not None else 0
         buffers = list(self.module.buffers()) if self.will_broadcast_buffers() else []
-        if buffers:
-            self.reducer.plane.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
-            self._broadcast(buffers, src)
+        if buffers and self.reducer.broken is None:
+            try:
+                self.reducer.plane.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
+                self._broadcast(buffers, src)
+            except membership.PeerFailure as exc:
+                if self.reducer.membership is None:
+                    raise
+                self.reducer.break_group(exc)  # local buffers until the window's synced backward re-forms
         if self.device_ids:  # a single-GPU module: inputs move to its device, as in torch
             inputs, kwargs = to_kwargs(inputs, kwargs, torch.device(self.device.type, self.device_ids[0]))
         with active_ddp(self, bucket_bytes_caps(*self.reducer.store.caps)[1]):  # compiled frames split at bucket boundaries

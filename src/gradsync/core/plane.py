@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .control import SyncError, bounded_wait
 from .header import BACKWARD, check_header, header_tensor, payloads
+from .membership import PeerFailure
 
 
 @dataclass
@@ -46,6 +47,13 @@ class ControlPlane:
         self._payloads: dict[int, tuple[float, ...]] | None = None  # the active ranks', from the latest header
         self.active_ranks: list[int] | None = None  # inside DDP.join(): this forward's active ranks
         self.headers_sent = 0  # phases this rank started (a skipped micro-step replays the missing ones)
+        self.sent_payload: tuple[float, ...] = ()  # carried by the latest synced backward's header
+        self.membership: Any = None  # core/membership.py: waits also end when the group is known broken
+
+    def regroup(self, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
+        """Use a new group (elastic membership re-formed it); the next header carries the same values."""
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self._work, self._payload, self._payloads = None, self.sent_payload, None
 
     def set_active(self, ranks: list[int] | None) -> None:
         """Inside ``DDP.join()``: the ranks with data for this forward (None: every rank)."""
@@ -67,8 +75,11 @@ class ControlPlane:
         payload = ()
         if kind == BACKWARD:  # carried values go with a synced backward, never a forward's broadcast
             payload, self._payload, self._payloads = self._payload, (), None
+            self.sent_payload = payload
         self._kind = kind
         self.headers_sent += 1
+        if self.world_size == 1 and kind == BACKWARD and self.active_ranks is None:
+            self._payloads = {0: payload} if payload else None  # a group that shrank to one member
         if self.world_size > 1 and self.headers:
             c = self.counters
             self._header = header_tensor(self.rank, self.world_size, kind, c.forward, c.backward, self.device,
@@ -107,9 +118,13 @@ class ControlPlane:
     def wait(self, handle: Any, what: str) -> None:
         """Wait for a Work or Future, bounded by the timeout, with a useful error."""
         try:
-            bounded_wait(handle, self.timeout)
+            if self.membership is not None:
+                self.membership.wait(handle, self.timeout)
+            else:
+                bounded_wait(handle, self.timeout)
         except Exception as exc:
-            raise SyncError(
+            # with elastic membership the reducer re-forms on a PeerFailure; without, it is a SyncError
+            raise (SyncError if self.membership is None else PeerFailure)(
                 f"gradsync: rank {self.rank} waited for {what} of synced backward {self.counters.sync} "
                 f"(backward {self.counters.backward} on this rank) and it failed or did not finish within "
                 f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died, raised, "

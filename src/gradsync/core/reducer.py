@@ -35,6 +35,7 @@ from .graph import Expected
 from .header import BACKWARD
 from .launcher import BucketLauncher
 from .layout import Layout
+from .membership import PeerFailure
 from .plane import ControlPlane, Counters
 from .store import BucketStore
 
@@ -49,6 +50,7 @@ class IterationState:
     ready: list[bool] = field(default_factory=list)
     hook_counts: list[int] = field(default_factory=list)
     next_launch: int = 0  # the lowest bucket index not launched yet
+    hooked: list[bool] | None = None  # which parameters this backward's hooks made ready (kept for a redo)
     record: dict | None = None  # this backward's comm trace, when tracing
 
 
@@ -82,6 +84,12 @@ class Reducer:
         self.window_used = [False] * n  # used locally since the last synced backward
         self.failed_ranks: list[int] = []  # ranks whose latest synced backward failed part-way
         self.pending_forwards = 0  # forwards not yet followed by a backward
+        # elastic membership (membership.py): set by the wrapper; ``broken`` holds the failure that made
+        # this rank stop using its group until the window's synced backward re-forms it
+        self.membership: Any = None
+        self.broken: BaseException | None = None
+        self.window_source: Callable[[], tuple[int, int]] | None = None  # the accumulator's window, for events
+        self.on_regroup: Callable[[dist.ProcessGroup], None] | None = None  # the wrapper follows the new group
         self._armed = False  # the latest forward wanted its backward to synchronize
         self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
         self._warned_ignored = False
@@ -197,7 +205,8 @@ class Reducer:
         it.syncing, it.ready, it.hook_counts = True, [False] * n, [0] * n
         for b in self.store.buckets:
             b.pending, b.handle = len(b.members), None
-        self.plane.launch_header(BACKWARD)  # checked before the first bucket launches
+        if self.broken is None:
+            self.plane.launch_header(BACKWARD)  # checked before the first bucket launches
         self.layout.begin_sync()
         if self.trace is not None:
             it.record = {"iteration": self.counters.sync, "backward_start": time.perf_counter(), "buckets": []}
@@ -218,6 +227,16 @@ class Reducer:
 
     def _launch_ready(self) -> None:
         """Launch every bucket whose members are ready, strictly in index order."""
+        if self.broken is not None:
+            return
+        try:
+            self._launch_in_order()
+        except PeerFailure as exc:
+            if self.membership is None:
+                raise
+            self.break_group(exc)  # the backward goes on locally: the window's gradients stay whole
+
+    def _launch_in_order(self) -> None:
         it, buckets = self.it, self.store.buckets
         if self.plane.header_pending and buckets[it.next_launch].pending == 0:
             # before the first bucket, which must pair with a bucket everywhere; blocking here costs
@@ -262,6 +281,27 @@ class Reducer:
             self.it.in_backward = self.it.syncing = False
 
     def _finish_sync(self, failed: int = 0) -> None:
+        if self.membership is None:
+            self._complete(*self._reduce(failed))
+            return
+        # elastic: nothing is written back before every member voted that it holds the reduction;
+        # otherwise the survivors re-form and reduce their own windows again (.grad is untouched)
+        while True:
+            failure = self.broken
+            if failure is None:
+                try:
+                    reduced = self._reduce(failed)
+                    if self.membership.commit(self.counters.sync):
+                        break
+                    failure = PeerFailure(f"gradsync: a member did not finish synced backward {self.counters.sync}")
+                except PeerFailure as exc:
+                    failure = exc
+            self._reform(failure)
+        self._complete(*reduced)
+
+    def _reduce(self, failed: int) -> tuple[list[Any] | None, list[int], dict | None]:
+        """Launch what is left, wait for every bucket and the control, run the checks; return the
+        buckets' results, the used counts and the trace record (nothing is written back yet)."""
         it, store, n = self.it, self.store, len(self.params)
         if self.config.static_graph and self.expected.static_counts is None:
             self.expected.static_counts = list(it.hook_counts)
@@ -270,12 +310,17 @@ class Reducer:
                 store.copy_in(i, self.launcher.divides_on_copy)
             for b in store.buckets:
                 b.pending = 0
-        ready_in_hooks = list(it.ready)
+        if it.hooked is None:
+            it.hooked = list(it.ready)
+        ready_in_hooks = it.hooked
         missing = [i for i in range(n) if not ready_in_hooks[i]]
         graph_changed = self.config.static_graph and bool(missing)
-        for i in missing:  # launch every bucket anyway so peers are not left waiting
-            self._mark_ready(i, from_hook=False)
+        for i in range(n):  # launch every bucket anyway so peers are not left waiting
+            if not it.ready[i]:
+                self._mark_ready(i, from_hook=False)
         self._launch_ready()
+        if self.broken is not None:
+            raise self.broken
 
         tracks_unused = self.config.find_unused_parameters or self.config.static_graph
         c = self.counters
@@ -304,17 +349,53 @@ class Reducer:
             raise RuntimeError(messages.static_graph_missing(", ".join(self.names[i] for i in missing)))
         if not tracks_unused:
             check_missing(counts, self.names, len(active))
+        return results, counts, it.record
 
+    def _complete(self, results: list[Any] | None, counts: list[int], record: dict | None) -> None:
+        """Write every bucket's average back and close the synced backward."""
+        store, n, c = self.store, len(self.params), self.counters
         for bucket, result in zip(store.buckets, results or ()):
             store.write_back(bucket, result, counts)
         store.end_sync()
-        record = it.record
         if record is not None:
             self._record_trace(record)
         self.window_used = [False] * n
         guard.mark_synced(self)
         c.sync += 1
         self.layout.after_sync(record)  # re-plans once from the observed order; "auto" times it
+
+    # ---------------------------------------------------------------- elastic membership (membership.py)
+    def break_group(self, failure: BaseException) -> None:
+        """Stop using the group until this window's synced backward re-forms it; tell the others."""
+        if self.broken is None:
+            self.broken = failure
+            self.plane.drop_header()
+            self.membership.broken(failure)
+
+    def _reform(self, failure: BaseException) -> None:
+        """Agree on the survivors, take their new group, and start this synced backward again in it
+        from this rank's own window (``.grad``, which no failed reduction touched)."""
+        self.break_group(failure)
+        window = self.window_source() if self.window_source is not None else None
+        self.regroup(self.membership.reform(failure, self.counters.sync, window))
+        self.broken = None
+        it, n = self.it, len(self.params)
+        if it.hooked is None:  # the group broke before this backward's end: its hooks so far are all it had
+            it.hooked = list(it.ready)
+        it.ready, it.hook_counts, it.next_launch = [False] * n, [0] * n, 0
+        for b in self.store.buckets:
+            b.pending, b.handle = len(b.members), None
+        self.launcher.reset()
+        self.plane.launch_header(BACKWARD)  # carries the same values as the failed one
+
+    def regroup(self, group: dist.ProcessGroup) -> None:
+        """Reduce over ``group`` from now on (the survivors' new group)."""
+        self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
+        self.plane.regroup(group, self.rank, self.world_size)
+        self.launcher.group = self.layout.group = group
+        self.store.world_size = self.world_size
+        if self.on_regroup is not None:
+            self.on_regroup(group)
 
     def after_shadowed_sync(self) -> None:
         """A joined rank took part in the active ranks' synced backward (``join.py``)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -46,11 +47,13 @@ class GradientAccumulator(Windows):
         self._target = model if isinstance(model, SyncTarget) else None  # a gradsync wrapper
         # torch's DDP has the same switch (read at its forward) and a process group, not the rest
         self._switchable = hasattr(model, "require_backward_grad_sync")
-        if self._switchable:
-            self._group = getattr(model, "process_group", None) or dist.group.WORLD
-            self._world_size = dist.get_world_size(self._group)
-        else:
-            self._group, self._world_size = None, 1
+        if self.sync_each_batch and getattr(getattr(model, "reducer", None), "membership", None) is not None:
+            raise ValueError("gradsync: sync_each_batch=True with elastic membership: a replica that dies mid-window "
+                             "leaves its synced micro-steps in the survivors' gradients, so the window could not be "
+                             "the exact mean over what the survivors kept. Use sync_each_batch=False")
+        if self._target is not None and hasattr(model, "reducer"):  # names the window in membership events
+            window_of = weakref.WeakMethod(self._window_of)
+            model.reducer.window_source = lambda: window_of()() if window_of() is not None else None
         self._warned_mean = False
         # skips (skips.py): a micro-step that ends early on one rank costs that micro-step only
         self.skip_on, self.skip_nonfinite = check_skip_on(skip_on), bool(skip_nonfinite)
@@ -60,6 +63,19 @@ class GradientAccumulator(Windows):
         self._started = False  # this micro-step's backward began
         self._pending_carry: Any = None  # the reader of what this micro-step's backward carries
         self._mark: Any = None
+
+    def _window_of(self) -> tuple[int, int] | None:
+        """(windows started, micro-steps planned for the current one): names a membership event's window."""
+        return (self.windows, self._window_len) if self.windows else None
+
+    # read at each use: elastic membership (layers/elastic.py) changes the model's group
+    @property
+    def _group(self) -> Any:
+        return (getattr(self.model, "process_group", None) or dist.group.WORLD) if self._switchable else None
+
+    @property
+    def _world_size(self) -> int:
+        return dist.get_world_size(self._group) if self._switchable else 1
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:

@@ -1,4 +1,4 @@
-"""The ``gradsync`` command line: ``gradsync demo`` and ``gradsync bench``."""
+"""The ``gradsync`` command line: ``gradsync demo``, ``gradsync bench`` and ``gradsync run``."""
 from __future__ import annotations
 
 import sys
@@ -6,6 +6,7 @@ import sys
 COMMANDS = {
     "demo": ("gradsync.tools.demo", "train a small model on local ranks and check it against one process"),
     "bench": ("gradsync.tools.bench.run", "benchmark against torch's DDP; write tables and plots to benchmarks/results"),
+    "run": ("gradsync.tools.run", "run a script as elastic replicas that survive a dead replica"),
 }
 
 

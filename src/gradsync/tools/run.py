@@ -1,0 +1,244 @@
+"""``gradsync run``: run a script as elastic replicas that survive a dead replica.
+
+Each launcher starts ``--replicas`` copies of ``python script.py args...`` and keeps a torch
+``TCPStore`` (the coordinator) informed: a replica's exit code goes to
+``gradsync/exit/<id>/<restart>`` within tens of milliseconds, and a dead replica is restarted with
+the same id while it has restarts left and the job has neither finished nor failed.
+
+Several machines each run the same command with ``--machines P --coordinator HOST:PORT``. The
+launcher on the machine that owns HOST hosts the store (the first one to bind the port, when
+several launchers share a machine); the others connect to it. Replica ids are assigned in blocks
+of ``--replicas``, in the order launchers reach the coordinator. If the launcher hosting the
+coordinator dies, the job ends: the others lose the store.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+POLL_S = 0.02  # a death is on the critical path of recovery: report it within tens of ms
+HEARTBEAT_S = 0.5
+GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
+CONNECT_S = 60.0
+FINISHED, FAILED = "gradsync/job/finished", "gradsync/job/failed"
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="gradsync run", description="Run a script as elastic replicas that survive a dead replica.")
+    parser.add_argument("--replicas", type=int, default=1, help="replicas this launcher starts (default 1)")
+    parser.add_argument("--min-replicas", type=int, default=1,
+                        help="fewest replicas the job may go on with (default 1)")
+    parser.add_argument("--max-restarts", type=int, default=0, help="restarts per replica (default 0)")
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="the store every launcher shares (default: one on 127.0.0.1, any free port)")
+    parser.add_argument("--machines", type=int, default=1, help="launchers taking part (default 1)")
+    parser.add_argument("script", help="the Python script each replica runs")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script unchanged")
+    args = parser.parse_args(argv)
+    if args.replicas < 1 or args.machines < 1:
+        parser.error("--replicas and --machines must be at least 1")
+    if args.max_restarts < 0:
+        parser.error("--max-restarts must be at least 0")
+    total = args.replicas * args.machines
+    if not 1 <= args.min_replicas <= total:
+        parser.error(f"--min-replicas must be between 1 and --replicas x --machines = {total}, "
+                     f"got {args.min_replicas}")
+    if args.coordinator is not None:
+        host, _, port = args.coordinator.rpartition(":")
+        if not host or not port.isdigit():
+            parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+    elif args.machines > 1:
+        parser.error("--machines > 1 needs --coordinator HOST:PORT")
+    return args
+
+
+def connect(coordinator: str | None) -> tuple[dist.TCPStore, str, bool]:
+    """Host or join the coordinator store; return it, its address and whether this process hosts it."""
+    if coordinator is None:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return store, f"127.0.0.1:{store.port}", True
+    host, _, port_text = coordinator.rpartition(":")
+    port = int(port_text)
+    # TCPStore's server listens on every interface whatever the host, so only try to host it
+    # where HOST names this machine; otherwise every machine would host its own store.
+    if _is_local(host):
+        try:
+            return dist.TCPStore(host, port, is_master=True, wait_for_workers=False), coordinator, True
+        except (RuntimeError, OSError):
+            pass  # another launcher on this machine hosts it
+    # the client retries connecting until its timeout: the host's launcher may start later
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_S)), coordinator, False
+
+
+def _is_local(host: str) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((socket.gethostbyname(host), 0))
+        return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Replica:
+    rid: int
+    proc: subprocess.Popen
+    restart: int = 0
+    ended_by_us: bool = False  # the launcher ended it: its exit is no failure
+    kill_at: float | None = None  # SIGKILL if still alive then
+    returncode: int | None = None
+
+
+def describe(code: int) -> str:
+    if code < 0:
+        try:
+            return f"died with {signal.Signals(-code).name}"
+        except ValueError:
+            return f"died with signal {-code}"
+    return f"exited with code {code}"
+
+
+def terminate(rep: Replica, sig: int = signal.SIGTERM) -> None:
+    try:
+        os.killpg(rep.proc.pid, sig)  # the whole session: the script's own children too
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    store, address, hosting = connect(args.coordinator)
+    machine = store.add("gradsync/machines", 1) - 1
+    if machine >= args.machines:
+        print(f"gradsync run: {machine + 1} launchers reached {address}, but --machines is {args.machines}",
+              file=sys.stderr)
+        raise SystemExit(2)
+    total = args.replicas * args.machines
+    store.set("gradsync/replicas", str(total))
+    store.set("gradsync/min_replicas", str(args.min_replicas))
+    base_env = {**os.environ, "GRADSYNC_COORDINATOR": address, "GRADSYNC_REPLICAS": str(total),
+                "GRADSYNC_MIN_REPLICAS": str(args.min_replicas), "GRADSYNC_MACHINE": str(machine)}
+
+    def start(rid: int, restart: int) -> subprocess.Popen:
+        env = {**base_env, "GRADSYNC_REPLICA_ID": str(rid), "GRADSYNC_RESTART": str(restart)}
+        return subprocess.Popen([sys.executable, args.script, *args.args], env=env, start_new_session=True)
+
+    received: list[int] = []
+
+    def on_signal(signum, frame):
+        received.append(signum)
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+    replicas = [Replica(rid, start(rid, 0)) for rid in range(machine * args.replicas, (machine + 1) * args.replicas)]
+    try:
+        code = supervise(store, args, machine, hosting, replicas, start, received)
+    except BaseException as exc:
+        end_all(replicas)
+        if isinstance(exc, (RuntimeError, OSError)):  # torch's store errors: the coordinator is gone
+            print(f"gradsync run: lost the coordinator at {address} ({exc}); ended the replicas", file=sys.stderr)
+            raise SystemExit(1) from exc
+        raise
+    raise SystemExit(code)
+
+
+def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica], start, received: list[int]) -> int:
+    """Report, restart and end replicas until none runs; return the launcher's exit code."""
+    heartbeat_at = 0.0
+    interrupted_at = None
+    while True:
+        now = time.monotonic()
+        if now >= heartbeat_at:
+            store.add(f"gradsync/heartbeat/{machine}", 1)
+            heartbeat_at = now + HEARTBEAT_S
+        if received and interrupted_at is None:
+            interrupted_at = now
+            for rep in replicas:
+                if rep.returncode is None:
+                    rep.ended_by_us, rep.kill_at = True, now + GRACE_S
+                    terminate(rep)
+        running = [rep for rep in replicas if rep.returncode is None]
+        for rep in running:
+            code = rep.proc.poll()
+            if code is None:
+                continue
+            store.set(f"gradsync/exit/{rep.rid}/{rep.restart}", str(code))
+            rep.returncode = code
+            head = f"gradsync run: replica {rep.rid} (restart {rep.restart}) {describe(code)}"
+            if rep.ended_by_us:
+                print(f"{head}; ended by the launcher", file=sys.stderr)
+            elif code == 0:
+                store.set(FINISHED, "1")
+            elif store.check([FAILED]):
+                print(f"{head}; the job failed, not restarting", file=sys.stderr)
+            elif store.check([FINISHED]):
+                print(f"{head}; the job finished, not restarting", file=sys.stderr)
+            elif rep.restart < args.max_restarts:
+                print(f"{head}; restarting ({rep.restart + 1} of {args.max_restarts})", file=sys.stderr)
+                rep.restart += 1
+                rep.proc, rep.returncode = start(rep.rid, rep.restart), None
+            else:
+                print(f"{head}; no restarts left", file=sys.stderr)
+        running = [rep for rep in replicas if rep.returncode is None]
+        if not running:
+            break
+        if interrupted_at is None and store.check([FINISHED]):
+            for rep in running:
+                key = f"gradsync/waiting/{rep.rid}"
+                if not rep.ended_by_us and store.check([key]) and store.get(key).decode() == str(rep.restart):
+                    rep.ended_by_us, rep.kill_at = True, now + GRACE_S
+                    terminate(rep)
+        for rep in running:
+            if rep.kill_at is not None and now >= rep.kill_at:
+                terminate(rep, signal.SIGKILL)
+                rep.kill_at = None
+        time.sleep(POLL_S)
+
+    store.set(f"gradsync/launcher_done/{machine}", "1")
+    if interrupted_at is not None:
+        return 128 + received[0]
+    if hosting and args.machines > 1:
+        # the other launchers still need the store: wait for them to finish with it
+        done = [f"gradsync/launcher_done/{m}" for m in range(args.machines)]
+        deadline = time.monotonic() + CONNECT_S
+        while not store.check(done) and time.monotonic() < deadline and not received:
+            if time.monotonic() >= heartbeat_at:
+                store.add(f"gradsync/heartbeat/{machine}", 1)
+                heartbeat_at = time.monotonic() + HEARTBEAT_S
+            time.sleep(0.1)
+        if received:
+            return 128 + received[0]
+    if store.check([FAILED]):
+        print(f"gradsync run: the job failed: {store.get(FAILED).decode()}", file=sys.stderr)
+        return 1
+    failed = [rep for rep in replicas if not rep.ended_by_us and rep.returncode > 0]
+    return 0 if store.check([FINISHED]) and not failed else 1
+
+
+def end_all(replicas: list[Replica]) -> None:
+    """SIGTERM every running replica, then SIGKILL those still alive after the grace period."""
+    running = [rep for rep in replicas if rep.proc.poll() is None]
+    for rep in running:
+        terminate(rep)
+    deadline = time.monotonic() + GRACE_S
+    while any(rep.proc.poll() is None for rep in running) and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+    for rep in running:
+        if rep.proc.poll() is None:
+            terminate(rep, signal.SIGKILL)
+            rep.proc.wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""The elastic drills' training script, run as replicas by ``gradsync run`` (tests/layers/test_elastic.py).
+
+Replica ``--victim`` SIGKILLs itself at ``--point`` of window ``--window``; every replica writes its
+final parameters, members and events to ``--out``/<id>.pt. The micro-batch of (replica, window,
+micro-step) is a function of those three, so one process can train on exactly what was kept.
+"""
+import argparse
+import contextlib
+import dataclasses
+import os
+import signal
+
+import torch
+
+import gradsync
+
+POINTS = ["forward", "local_backward", "before_reductions", "during_reductions", "after_reductions",
+          "after_commit", "optimizer_step", "none"]
+
+
+def build_model(buffers: bool = False) -> torch.nn.Module:
+    """With ``buffers``, a BatchNorm: every training forward broadcasts rank 0's running statistics."""
+    torch.manual_seed(0)
+    middle = torch.nn.BatchNorm1d(16) if buffers else torch.nn.Identity()
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), middle, torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def micro_batch(replica: int, window: int, step: int, items: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_000 + replica * 1000 + window * 10 + step)
+    rows = int(torch.randint(1, 7, (1,), generator=g)) if items else 4
+    return torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.25, momentum=0.5)
+
+
+def die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--victim", type=int, default=-1)
+    parser.add_argument("--window", type=int, default=1)
+    parser.add_argument("--point", choices=POINTS, default="none")
+    parser.add_argument("--items", action="store_true", help="sum losses with num_items, uneven micro-batches")
+    parser.add_argument("--plain", action="store_true", help="no accumulator: loss.backward() and a step each window")
+    parser.add_argument("--buffers", action="store_true", help="a model with buffers, broadcast at every forward")
+    parser.add_argument("--kill-step", type=int, default=None, help="the micro-step of a forward kill (default: last)")
+    args = parser.parse_args()
+    me = int(os.environ["GRADSYNC_REPLICA_ID"])
+    victim = me == args.victim and int(os.environ["GRADSYNC_RESTART"]) == 0
+    gradsync.elastic.init_process_group("gloo", timeout=30)
+
+    net = build_model(args.buffers)
+    # one bucket per parameter: a kill between two buckets' all-reduces is a real point
+    model = gradsync.DistributedDataParallel(net, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    steps = 1 if args.plain else args.steps
+    acc = None if args.plain else gradsync.GradientAccumulator(model, steps=steps)
+    optimizer = make_optimizer(model.parameters())
+    if not args.plain:
+        optimizer = acc.wrap_optimizer(optimizer)
+    state = {"window": -1, "step": -1}
+
+    def at(point: str, step: int | None = None) -> bool:
+        return (victim and args.point == point and state["window"] == args.window
+                and (step is None or state["step"] == step))
+
+    kill_step = steps - 1 if args.kill_step is None else args.kill_step
+    net.register_forward_pre_hook(lambda *_: die() if at("forward", kill_step) else None)
+    if victim and args.point == "during_reductions":  # after the header and the first bucket's all-reduce
+        all_reduce, calls = torch.distributed.all_reduce, []
+
+        def counted(*a, **k):
+            if at("during_reductions", steps - 1):
+                calls.append(1)
+                if len(calls) == 3:
+                    die()
+            return all_reduce(*a, **k)
+        torch.distributed.all_reduce = counted
+    if victim and args.point in ("after_reductions", "after_commit"):
+        membership = gradsync.layers.elastic.StoreMembership
+        commit = membership.commit
+
+        def vote(self, sync):
+            if at("after_reductions"):
+                die()
+            decided = commit(self, sync)
+            if at("after_commit"):
+                die()
+            return decided
+        membership.commit = vote
+
+    for w in range(args.windows):
+        for k in range(steps):
+            state.update(window=w, step=k)
+            x, y = micro_batch(me, w, k, args.items)
+            with acc.accumulate() if not args.plain else contextlib.nullcontext():
+                out = model(x)
+                if args.items:
+                    loss = torch.nn.functional.mse_loss(out, y, reduction="sum")
+                else:
+                    loss = torch.nn.functional.mse_loss(out, y)
+                if at("local_backward", 0) or at("before_reductions", steps - 1):
+                    loss.register_hook(lambda g: die())
+                if args.plain:
+                    loss.backward()
+                elif args.items:
+                    acc.backward(loss, num_items=x.shape[0])
+                else:
+                    acc.backward(loss)
+            if (args.plain or acc.is_boundary) and at("optimizer_step"):
+                die()
+            optimizer.step()
+            optimizer.zero_grad()
+    events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
+    torch.save({"params": [p.detach().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
+                "events": events}, os.path.join(args.out, f"{me}.pt"))
+
+
+if __name__ == "__main__":
+    main()

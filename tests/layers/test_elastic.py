@@ -1,0 +1,169 @@
+"""Failure drills: ``gradsync run`` with 3 replicas, one SIGKILLed at each point of a window.
+
+Every survivor must finish the run with parameters bit-identical to the other survivors' and equal
+(1e-5) to one process trained on exactly the micro-batches that were kept: the dead replica's
+micro-steps count up to the window whose reduction it did not commit, none after.
+"""
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from elastic_train import build_model, make_optimizer, micro_batch  # noqa: E402
+
+SCRIPT = Path(__file__).parent / "elastic_train.py"
+WINDOWS, STEPS = 4, 3
+
+
+def launch(tmp_path: Path, *script_args: str, replicas: int = 3, min_replicas: int = 2, max_restarts: int = 0,
+           timeout: float = 150.0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "gradsync.tools.cli", "run", "--replicas", str(replicas),
+           "--min-replicas", str(min_replicas), "--max-restarts", str(max_restarts), str(SCRIPT),
+           "--out", str(tmp_path), "--windows", str(WINDOWS), "--steps", str(STEPS), *script_args]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def reference(events: list[dict], replicas: int, *, items: bool = False, steps: int = STEPS,
+              buffers: bool = False) -> list[torch.Tensor]:
+    """One process trained on what was kept: replica r's micro-steps up to the window it left in."""
+    net = build_model(buffers)
+    optimizer = make_optimizer(net.parameters())
+    left_in = {}
+    for e in events:
+        for r in e["left"]:
+            left_in[r] = min(left_in.get(r, math.inf), e["window"])
+    for w in range(WINDOWS):
+        kept = [(r, k) for r in range(replicas) if left_in.get(r, math.inf) > w for k in range(steps)]
+        batches = [micro_batch(r, w, k, items) for r, k in kept]
+        if items:
+            total = sum(x.shape[0] for x, _ in batches)
+            loss = sum(torch.nn.functional.mse_loss(net(x), y, reduction="sum") for x, y in batches) / total
+        else:
+            loss = sum(torch.nn.functional.mse_loss(net(x), y) for x, y in batches) / len(batches)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return [p.detach() for p in net.parameters()]
+
+
+def survivors(tmp_path: Path) -> dict[int, dict]:
+    return {int(f.stem): torch.load(f) for f in sorted(tmp_path.glob("*.pt"))}
+
+
+def check_run(tmp_path: Path, proc: subprocess.CompletedProcess, *, victim: int | None, window: int,
+              items: bool = False, steps: int = STEPS, buffers: bool = False) -> dict[int, dict]:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = survivors(tmp_path)
+    expected = sorted({0, 1, 2} - {victim})
+    assert sorted(results) == expected, proc.stderr[-4000:]
+    first = results[expected[0]]
+    for r in expected:  # the survivors agree bit for bit, on parameters, members and events
+        assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
+        assert results[r]["members"] == expected and results[r]["events"] == first["events"]
+    events = first["events"]
+    if victim is None:
+        assert events == []
+    else:
+        assert [(e["generation"], e["window"], e["left"], e["joined"], e["micro_steps_lost"]) for e in events] \
+            == [(1, window, [victim], [], steps)]
+        assert events[0]["seconds"] < 30
+    want = reference(events, 3, items=items, steps=steps, buffers=buffers)
+    for got, ref in zip(first["params"], want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    return results
+
+
+@pytest.mark.parametrize("point", ["forward", "local_backward", "before_reductions", "during_reductions",
+                                   "after_reductions"])
+def test_kill_before_the_commit_drops_the_window_of_the_dead_replica(tmp_path, point):
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", point)
+    check_run(tmp_path, proc, victim=2, window=1)
+
+
+@pytest.mark.parametrize("point", ["after_commit", "optimizer_step"])
+def test_kill_after_the_commit_keeps_the_window_of_the_dead_replica(tmp_path, point):
+    proc = launch(tmp_path, "--victim", "1", "--window", "1", "--point", point)
+    check_run(tmp_path, proc, victim=1, window=2)
+
+
+def test_item_counts_are_the_survivors(tmp_path):
+    proc = launch(tmp_path, "--victim", "0", "--window", "2", "--point", "during_reductions", "--items")
+    check_run(tmp_path, proc, victim=0, window=2, items=True)
+
+
+def test_plain_ddp_without_an_accumulator(tmp_path):
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "during_reductions", "--plain")
+    check_run(tmp_path, proc, victim=2, window=1, steps=1)
+
+
+def test_a_failed_buffer_broadcast_waits_for_the_window_end(tmp_path):
+    """The victim dies after micro-step 0's broadcast: the survivors' next forward broadcast fails, they
+    run the rest of the window on their own buffers and re-form at its synced backward."""
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "forward", "--kill-step", "0", "--buffers")
+    check_run(tmp_path, proc, victim=2, window=1, buffers=True)
+
+
+def test_no_failure_no_event(tmp_path):
+    check_run(tmp_path, launch(tmp_path), victim=None, window=0)
+
+
+def test_below_min_replicas_every_survivor_raises(tmp_path):
+    proc = launch(tmp_path, "--victim", "1", "--window", "1", "--point", "during_reductions", min_replicas=3)
+    assert proc.returncode != 0
+    assert "MembershipError" in proc.stderr and "only replicas [0, 2] are left" in proc.stderr, proc.stderr[-4000:]
+    assert survivors(tmp_path) == {}
+
+
+def test_a_restarted_replica_waits_and_the_job_finishes(tmp_path):
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "forward", max_restarts=2)
+    check_run(tmp_path, proc, victim=2, window=1)
+    assert "arrived after the job started" in proc.stderr
+
+
+REFUSALS = """
+import torch, gradsync
+gradsync.elastic.init_process_group("gloo", timeout=30)
+net = torch.nn.Linear(4, 4)
+for kwargs in ({"gradient_as_bucket_view": True}, {"static_graph": True}, {"bucket_cap_mb": "auto"}):
+    try:
+        gradsync.DistributedDataParallel(net, **kwargs)
+    except ValueError as exc:
+        print("refused:", exc)
+model = gradsync.DistributedDataParallel(net)
+try:
+    gradsync.GradientAccumulator(model, steps=2, sync_each_batch=True)
+except ValueError as exc:
+    print("refused:", exc)
+print("members", gradsync.elastic.members(), "events", gradsync.elastic.events())
+"""
+
+
+def test_what_elastic_membership_cannot_recover_is_refused(tmp_path):
+    script = tmp_path / "refusals.py"
+    script.write_text(REFUSALS)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    proc = subprocess.run([sys.executable, "-m", "gradsync.tools.cli", "run", str(script)], capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    refused = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
+    assert len(refused) == 4, proc.stdout
+    for line, what in zip(refused, ["gradient_as_bucket_view=True", "static_graph=True", 'bucket_cap_mb="auto"',
+                                    "sync_each_batch=True"]):
+        assert what in line and "elastic" in line, line
+    assert "members [0] events []" in proc.stdout
+
+
+def test_init_process_group_outside_gradsync_run_says_how_to_launch(monkeypatch):
+    import gradsync
+    monkeypatch.delenv("GRADSYNC_COORDINATOR", raising=False)
+    with pytest.raises(RuntimeError, match="gradsync run --replicas"):
+        gradsync.elastic.init_process_group("gloo")
+    with pytest.raises(RuntimeError, match="init_process_group\\(\\) first"):
+        gradsync.elastic.members()

@@ -1,0 +1,187 @@
+"""`gradsync run`: replicas get their ids and arguments, dead ones restart, the job ends cleanly."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gradsync.tools import cli, run
+
+SRC = str(Path(run.__file__).resolve().parents[2])
+ENV = {**os.environ, "PYTHONPATH": SRC}  # this checkout, as conftest.py does
+BOUND_S = 120
+
+# A replica talks to the coordinator only where a test needs it: importing torch costs seconds.
+STORE = """
+import os
+from datetime import timedelta
+import torch.distributed as dist
+host, port = os.environ["GRADSYNC_COORDINATOR"].rsplit(":", 1)
+store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
+"""
+
+
+def launch(tmp_path, options, body, script_args=()):
+    """Start the launcher on a replica script made of ``body``'s parts (each dedented)."""
+    parts = [body] if isinstance(body, str) else body
+    script = tmp_path / "replica.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "rid, restart = int(os.environ['GRADSYNC_REPLICA_ID']), int(os.environ['GRADSYNC_RESTART'])\n"
+                      f"out = {str(tmp_path)!r}\n" + "".join(textwrap.dedent(p) for p in parts))
+    return subprocess.Popen([sys.executable, "-m", "gradsync.tools.cli", "run", *options, str(script), *script_args],
+                            env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc):
+    try:
+        out, err = proc.communicate(timeout=BOUND_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        pytest.fail(f"the launcher ran past {BOUND_S}s\n{err}")
+    return proc.returncode, out, err
+
+
+def lines(path):
+    return sorted(path.read_text().split()) if path.exists() else []
+
+
+def test_replicas_get_ids_environment_and_arguments(tmp_path):
+    body = """
+    with open(os.path.join(out, f"env-{rid}"), "w") as f:
+        print(repr((rid, restart, os.environ["GRADSYNC_COORDINATOR"], os.environ["GRADSYNC_REPLICAS"],
+                    os.environ["GRADSYNC_MIN_REPLICAS"], os.environ["GRADSYNC_MACHINE"], sys.argv[1:],
+                    sys.executable)), file=f)
+    """
+    proc = launch(tmp_path, ["--replicas", "3", "--min-replicas", "2"], body, ["--lr", "1e-3", "x"])
+    rc, _, err = finish(proc)
+    assert rc == 0, err
+    seen = [eval((tmp_path / f"env-{i}").read_text()) for i in range(3)]
+    assert [s[0] for s in seen] == [0, 1, 2]
+    for _, restart, coordinator, total, least, machine, argv, exe in seen:
+        assert (restart, total, least, machine, argv) == (0, "3", "2", "0", ["--lr", "1e-3", "x"])
+        assert coordinator.startswith("127.0.0.1:") and coordinator == seen[0][2]
+        assert exe == sys.executable
+
+
+def test_a_failing_replica_restarts_with_the_next_count(tmp_path):
+    body = """
+    open(os.path.join(out, "starts"), "a").write(f"{restart}\\n")
+    sys.exit(1 if restart < 2 else 0)
+    """
+    rc, _, err = finish(launch(tmp_path, ["--max-restarts", "2"], body))
+    assert rc == 0, err
+    assert lines(tmp_path / "starts") == ["0", "1", "2"]
+    assert "replica 0 (restart 0) exited with code 1; restarting (1 of 2)" in err
+
+
+def test_restarts_run_out_and_a_killed_replica_is_reported(tmp_path):
+    body = ("""
+    open(os.path.join(out, f"starts-{rid}"), "a").write(f"{restart}\\n")
+    if rid == 0:
+        sys.exit(1)
+    if restart == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    """, STORE, """
+    open(os.path.join(out, "exit-1-0"), "w").write(store.get("gradsync/exit/1/0").decode())
+    sys.exit(3)
+    """)
+    rc, _, err = finish(launch(tmp_path, ["--replicas", "2", "--max-restarts", "1"], body))
+    assert rc == 1, err
+    assert lines(tmp_path / "starts-0") == ["0", "1"]
+    assert lines(tmp_path / "starts-1") == ["0", "1"]
+    assert (tmp_path / "exit-1-0").read_text() == "-9"
+    assert "replica 1 (restart 0) died with SIGKILL; restarting (1 of 1)" in err
+    assert "replica 0 (restart 1) exited with code 1; no restarts left" in err
+
+
+def test_a_finished_job_ends_a_waiting_joiner(tmp_path):
+    body = ("""
+    if rid == 0:
+        sys.exit(0)
+    """, STORE, """
+    store.set(f"gradsync/waiting/{rid}", str(restart))
+    time.sleep(600)
+    """)
+    rc, _, err = finish(launch(tmp_path, ["--replicas", "2", "--max-restarts", "2"], body))
+    assert rc == 0, err
+    assert "replica 1 (restart 0) died with SIGTERM; ended by the launcher" in err
+
+
+def test_a_failed_job_restarts_nothing(tmp_path):
+    body = ("""
+    open(os.path.join(out, "starts"), "a").write(f"{restart}\\n")
+    """, STORE, """
+    store.set("gradsync/job/failed", "below min")
+    sys.exit(1)
+    """)
+    rc, _, err = finish(launch(tmp_path, ["--max-restarts", "3"], body))
+    assert rc == 1
+    assert lines(tmp_path / "starts") == ["0"]
+    assert "below min" in err
+
+
+def test_launchers_on_two_machines_share_one_coordinator(tmp_path):
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    body = """
+    open(os.path.join(out, f"machine-{rid}"), "w").write(os.environ["GRADSYNC_MACHINE"])
+    """
+    options = ["--replicas", "2", "--machines", "2", "--coordinator", f"127.0.0.1:{port}"]
+    first = launch(tmp_path, options, body)
+    second = launch(tmp_path, options, body)
+    results = [finish(first), finish(second)]
+    assert [r[0] for r in results] == [0, 0], results
+    machines = {rid: (tmp_path / f"machine-{rid}").read_text() for rid in range(4)}
+    # ids come in blocks of --replicas, in the order the launchers reached the coordinator
+    assert machines[0] == machines[1] != machines[2] == machines[3]
+
+
+def test_sigterm_to_the_launcher_ends_its_replicas(tmp_path):
+    body = """
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a clean exit here is still no finished job
+    open(os.path.join(out, f"pid-{rid}"), "w").write(str(os.getpid()))
+    time.sleep(600)
+    """
+    proc = launch(tmp_path, ["--replicas", "2"], body)
+    pids = [tmp_path / f"pid-{rid}" for rid in range(2)]
+    deadline = time.monotonic() + BOUND_S
+    while not all(p.exists() and p.read_text() for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    rc, _, err = finish(proc)
+    assert rc == 143, err
+    for p in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(p.read_text()), 0)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--min-replicas", "0", "s.py"], "--min-replicas must be between 1 and"),
+    (["--replicas", "3", "--min-replicas", "5", "s.py"], "--min-replicas must be between 1 and"),
+    (["--replicas", "2"], "the following arguments are required: script"),
+    (["--machines", "2", "s.py"], "needs --coordinator"),
+])
+def test_bad_arguments_are_refused(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run.parse_args(argv)
+    assert exit_.value.code != 0
+    assert message in capsys.readouterr().err
+
+
+def test_arguments_after_the_script_reach_it_unchanged():
+    args = run.parse_args(["--replicas", "2", "train.py", "--lr", "1e-3", "--replicas", "9", "-h"])
+    assert (args.replicas, args.script, args.args) == (2, "train.py", ["--lr", "1e-3", "--replicas", "9", "-h"])
+
+
+def test_help(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["run", "--help"])
+    assert exit_.value.code == 0
+    assert "--max-restarts" in capsys.readouterr().out
