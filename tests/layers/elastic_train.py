@@ -36,7 +36,12 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.25, momentum=0.5)
 
 
+KILL_LAUNCHER = False  # --kill-launcher: the victim takes its launcher with it, as a machine that dies
+
+
 def die() -> None:
+    if KILL_LAUNCHER:
+        os.kill(os.getppid(), signal.SIGKILL)
     os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -50,9 +55,12 @@ def main() -> None:
     parser.add_argument("--point", choices=POINTS, default="none")
     parser.add_argument("--items", action="store_true", help="sum losses with num_items, uneven micro-batches")
     parser.add_argument("--plain", action="store_true", help="no accumulator: loss.backward() and a step each window")
+    parser.add_argument("--kill-launcher", action="store_true", help="the victim kills its launcher too")
     parser.add_argument("--buffers", action="store_true", help="a model with buffers, broadcast at every forward")
     parser.add_argument("--kill-step", type=int, default=None, help="the micro-step of a forward kill (default: last)")
     args = parser.parse_args()
+    global KILL_LAUNCHER
+    KILL_LAUNCHER = args.kill_launcher
     me = int(os.environ["GRADSYNC_REPLICA_ID"])
     victim = me == args.victim and int(os.environ["GRADSYNC_RESTART"]) == 0
     gradsync.elastic.init_process_group("gloo", timeout=30)

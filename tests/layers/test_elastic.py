@@ -5,6 +5,7 @@ Every survivor must finish the run with parameters bit-identical to the other su
 micro-steps count up to the window whose reduction it did not commit, none after.
 """
 import math
+import time
 import os
 import subprocess
 import sys
@@ -167,3 +168,37 @@ def test_init_process_group_outside_gradsync_run_says_how_to_launch(monkeypatch)
         gradsync.elastic.init_process_group("gloo")
     with pytest.raises(RuntimeError, match="init_process_group\\(\\) first"):
         gradsync.elastic.members()
+
+
+def test_a_whole_machine_dies(tmp_path):
+    """Three launchers share a coordinator, one replica each; replica 2 takes its launcher down with it,
+    so no exit is reported: the survivors leave it out once its launcher's heartbeat stands still."""
+    import socket
+    from datetime import timedelta
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "gradsync.tools.cli", "run", "--machines", "3", "--replicas", "1",
+           "--min-replicas", "2", "--coordinator", f"127.0.0.1:{port}", str(SCRIPT), "--out", str(tmp_path),
+           "--windows", str(WINDOWS), "--steps", str(STEPS), "--victim", "2", "--window", "1", "--point",
+           "during_reductions", "--kill-launcher"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    procs = []
+    try:
+        for m in range(3):  # one at a time, so launcher 0 hosts the store and launcher 2 holds replica 2
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+            store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+            while store.add("gradsync/machines", 0) < m + 1:
+                assert procs[-1].poll() is None, procs[-1].communicate()
+                time.sleep(0.05)
+            del store
+        outputs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    codes = [p.returncode for p in procs]
+    assert codes[:2] == [0, 0] and codes[2] == -9, (codes, outputs[0][1][-3000:])
+    proc = subprocess.CompletedProcess(cmd, 0, "", outputs[0][1] + outputs[1][1])
+    results = check_run(tmp_path, proc, victim=2, window=1)
+    assert 5 <= results[0]["events"][0]["seconds"] < 30  # the heartbeat stood still 5 s

@@ -29,6 +29,7 @@ POLL_S = 0.02  # a death is on the critical path of recovery: report it within t
 HEARTBEAT_S = 0.5
 GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 CONNECT_S = 60.0
+STALE_S = 5.0  # a launcher whose heartbeat stood still this long is gone (gradsync.elastic.STALE)
 FINISHED, FAILED = "gradsync/job/finished", "gradsync/job/failed"
 
 
@@ -210,12 +211,20 @@ def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica],
         return 128 + received[0]
     if hosting and args.machines > 1:
         # the other launchers still need the store: wait for them to finish with it
-        done = [f"gradsync/launcher_done/{m}" for m in range(args.machines)]
+        others = [m for m in range(args.machines) if m != machine]
+        beats: dict[int, tuple[int, float]] = {}
         deadline = time.monotonic() + CONNECT_S
-        while not store.check(done) and time.monotonic() < deadline and not received:
-            if time.monotonic() >= heartbeat_at:
+        while others and time.monotonic() < deadline and not received:
+            now = time.monotonic()
+            if now >= heartbeat_at:
                 store.add(f"gradsync/heartbeat/{machine}", 1)
-                heartbeat_at = time.monotonic() + HEARTBEAT_S
+                heartbeat_at = now + HEARTBEAT_S
+            for m in list(others):  # done, or dead: its heartbeat stood still (as gradsync.elastic judges it)
+                beat = store.add(f"gradsync/heartbeat/{m}", 0)
+                if beat != beats.get(m, (None, 0.0))[0]:
+                    beats[m] = (beat, now)
+                if store.check([f"gradsync/launcher_done/{m}"]) or now - beats[m][1] > STALE_S:
+                    others.remove(m)
             time.sleep(0.1)
         if received:
             return 128 + received[0]
