@@ -5,10 +5,10 @@ final parameters, members and events to ``--out``/<id>.pt. The micro-batch of (r
 micro-step) is a function of those three, so one process can train on exactly what was kept.
 """
 import argparse
-import contextlib
 import dataclasses
 import os
 import signal
+import time
 
 import torch
 
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("--point", choices=POINTS, default="none")
     parser.add_argument("--items", action="store_true", help="sum losses with num_items, uneven micro-batches")
     parser.add_argument("--plain", action="store_true", help="no accumulator: loss.backward() and a step each window")
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds at each window's start (a slower job)")
     parser.add_argument("--kill-launcher", action="store_true", help="the victim kills its launcher too")
     parser.add_argument("--buffers", action="store_true", help="a model with buffers, broadcast at every forward")
     parser.add_argument("--kill-step", type=int, default=None, help="the micro-step of a forward kill (default: last)")
@@ -104,28 +105,30 @@ def main() -> None:
             return decided
         membership.commit = vote
 
-    for w in range(args.windows):
-        for k in range(steps):
-            state.update(window=w, step=k)
-            x, y = micro_batch(me, w, k, args.items)
-            with acc.accumulate() if not args.plain else contextlib.nullcontext():
-                out = model(x)
-                if args.items:
-                    loss = torch.nn.functional.mse_loss(out, y, reduction="sum")
-                else:
-                    loss = torch.nn.functional.mse_loss(out, y)
-                if at("local_backward", 0) or at("before_reductions", steps - 1):
-                    loss.register_hook(lambda g: die())
-                if args.plain:
-                    loss.backward()
-                elif args.items:
-                    acc.backward(loss, num_items=x.shape[0])
-                else:
-                    acc.backward(loss)
-            if (args.plain or acc.is_boundary) and at("optimizer_step"):
-                die()
-            optimizer.step()
-            optimizer.zero_grad()
+    def micro_steps():  # (window, micro-step); with an accumulator, its state says where the job is
+        if args.plain:
+            yield from ((w, 0) for w in range(args.windows))
+            return
+        while not (acc.is_boundary and acc.windows >= args.windows):
+            with acc.accumulate():  # a replica that joins gets the members' state here
+                yield acc.windows - 1, acc.micro_step
+
+    for w, k in micro_steps():
+        time.sleep(args.sleep if k == 0 else 0)
+        state.update(window=w, step=k)
+        x, y = micro_batch(me, w, k, args.items)
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out, y, reduction="sum" if args.items else "mean")
+        if at("local_backward", 0) or at("before_reductions", steps - 1):
+            loss.register_hook(lambda g: die())
+        if args.plain:
+            loss.backward()
+        else:
+            acc.backward(loss, num_items=x.shape[0] if args.items else None)
+        if (args.plain or acc.is_boundary) and at("optimizer_step"):
+            die()
+        optimizer.step()
+        optimizer.zero_grad()
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
     torch.save({"params": [p.detach().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
                 "events": events}, os.path.join(args.out, f"{me}.pt"))

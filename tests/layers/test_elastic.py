@@ -4,7 +4,6 @@ Every survivor must finish the run with parameters bit-identical to the other su
 (1e-5) to one process trained on exactly the micro-batches that were kept: the dead replica's
 micro-steps count up to the window whose reduction it did not commit, none after.
 """
-import math
 import time
 import os
 import subprocess
@@ -22,26 +21,26 @@ WINDOWS, STEPS = 4, 3
 
 
 def launch(tmp_path: Path, *script_args: str, replicas: int = 3, min_replicas: int = 2, max_restarts: int = 0,
-           timeout: float = 150.0) -> subprocess.CompletedProcess:
+           timeout: float = 150.0, windows: int = WINDOWS) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "gradsync.tools.cli", "run", "--replicas", str(replicas),
            "--min-replicas", str(min_replicas), "--max-restarts", str(max_restarts), str(SCRIPT),
-           "--out", str(tmp_path), "--windows", str(WINDOWS), "--steps", str(STEPS), *script_args]
+           "--out", str(tmp_path), "--windows", str(windows), "--steps", str(STEPS), *script_args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
                                                          os.environ.get("PYTHONPATH", "")])}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def reference(events: list[dict], replicas: int, *, items: bool = False, steps: int = STEPS,
-              buffers: bool = False) -> list[torch.Tensor]:
+              buffers: bool = False, windows: int = WINDOWS) -> list[torch.Tensor]:
     """One process trained on what was kept: replica r's micro-steps up to the window it left in."""
     net = build_model(buffers)
     optimizer = make_optimizer(net.parameters())
-    left_in = {}
-    for e in events:
-        for r in e["left"]:
-            left_in[r] = min(left_in.get(r, math.inf), e["window"])
-    for w in range(WINDOWS):
-        kept = [(r, k) for r in range(replicas) if left_in.get(r, math.inf) > w for k in range(steps)]
+    for w in range(windows):
+        members = set(range(replicas))  # replica r counts from the window it joined, until the one it left in
+        for e in events:
+            if e["window"] <= w:
+                members = (members - set(e["left"])) | set(e["joined"])
+        kept = [(r, k) for r in sorted(members) for k in range(steps)]
         batches = [micro_batch(r, w, k, items) for r, k in kept]
         if items:
             total = sum(x.shape[0] for x, _ in batches)
@@ -122,10 +121,28 @@ def test_below_min_replicas_every_survivor_raises(tmp_path):
     assert survivors(tmp_path) == {}
 
 
-def test_a_restarted_replica_waits_and_the_job_finishes(tmp_path):
-    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "forward", max_restarts=2)
-    check_run(tmp_path, proc, victim=2, window=1)
-    assert "arrived after the job started" in proc.stderr
+def test_a_restarted_replica_joins_at_a_window_boundary(tmp_path):
+    """Replica 2 dies in window 1; gradsync run restarts it; it asks to join at its first accumulate()
+    and the members admit it at their next window boundary, sending the parameters, SGD's momentum and
+    the accumulator's position: at the end all three are bit-identical and equal to one process
+    trained on what was kept (replica 2's micro-steps before window 1 and from its join on)."""
+    windows = 40
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "during_reductions", "--sleep", "0.1",
+                  max_restarts=1, windows=windows)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = survivors(tmp_path)
+    assert sorted(results) == [0, 1, 2], proc.stderr[-4000:]
+    first = results[0]
+    for r in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
+        assert results[r]["events"] == first["events"] and results[r]["members"] == [0, 1, 2]
+    (left, joined) = first["events"]
+    assert (left["generation"], left["window"], left["left"], left["joined"]) == (1, 1, [2], [])
+    assert (joined["generation"], joined["left"], joined["joined"], joined["micro_steps_lost"]) == (2, [], [2], 0)
+    assert 1 < joined["window"] < windows, proc.stderr[-3000:]
+    want = reference(first["events"], 3, windows=windows)
+    for got, ref in zip(first["params"], want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
 REFUSALS = """

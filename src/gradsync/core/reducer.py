@@ -394,6 +394,8 @@ class Reducer:
         self.plane.regroup(group, self.rank, self.world_size)
         self.launcher.group = self.layout.group = group
         self.store.world_size = self.world_size
+        if self.world_size > 1:
+            guard.install(self)  # a replica that joined was built on a group of its own
         if self.on_regroup is not None:
             self.on_regroup(group)
 

@@ -23,6 +23,7 @@ from torch import nn
 from ..core._torch import foreach_mul_
 from ..core.control import SyncError
 from ..core.seam import SyncTarget
+from .elastic_join import at_boundary
 from .normalize import ITEMS, MEAN, TAG, as_count, check_kinds, is_mean, window_factor, without_failed
 from .skips import SkipMicroStep, check_skip_on, exchange_records, reason_of, skippable
 from .window import WindowOptimizer, WindowScheduler
@@ -60,6 +61,9 @@ class GradientAccumulator(Windows):
         if (self.skip_on or self.skip_nonfinite) and self._world_size > 1 and self._target is None:
             raise ValueError("gradsync: skip_on and skip_nonfinite need a gradsync model on several ranks (it "
                              f"replays a skipped micro-step's collectives); got {type(model).__name__}")
+        self.wrapped_optimizers: list[Any] = []  # sent to a replica that joins (elastic_join.py)
+        self.wrapped_schedulers: list[Any] = []
+        self._boundary_done = -1  # the window boundary at_window_start() last ran at
         self._started = False  # this micro-step's backward began
         self._pending_carry: Any = None  # the reader of what this micro-step's backward carries
         self._mark: Any = None
@@ -84,6 +88,7 @@ class GradientAccumulator(Windows):
             raise RuntimeError("gradsync: accumulate() is already active; each micro-step enters it once "
                                "(do not nest accumulate() blocks)")
         if self._boundary:
+            self.at_window_start()
             self._start_window()
         self._position += 1
         self._boundary = self._position >= self._window_len or self._end_of_data
@@ -143,7 +148,7 @@ class GradientAccumulator(Windows):
         if self._weights is not None:
             (loss * self._weights[self._position - 1]).backward()
         else:
-            (loss / self._window_len).backward()
+            (loss / self._scale_len).backward()
         self._ran_here(unit)
         if self._boundary:
             self._close(carried)
@@ -202,7 +207,7 @@ class GradientAccumulator(Windows):
         rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
         check_kinds(rows, self.windows)
         self.skipped = self._gather_skips(rows)
-        expected = self._window_len if self._weights is None else sum(self._rows)
+        expected = self._scale_len if self._weights is None else sum(self._rows)
         factor = window_factor(rows, self._world_size, expected, bool(self.skipped))
         if factor is None:
             self.window_empty = True
@@ -281,11 +286,21 @@ class GradientAccumulator(Windows):
 
         ``zero_grad()`` never clears the window in progress, so it may also sit at the top of the loop.
         """
-        return WindowOptimizer(optimizer, self)
+        self.wrapped_optimizers.append(WindowOptimizer(optimizer, self))
+        return self.wrapped_optimizers[-1]
 
     def wrap_scheduler(self, scheduler: Any) -> Any:
         """Return ``scheduler`` whose ``step()`` acts once per window, at its end."""
-        return WindowScheduler(scheduler, self)
+        self.wrapped_schedulers.append(WindowScheduler(scheduler, self))
+        return self.wrapped_schedulers[-1]
+
+    # ---------------------------------------------------------------- elastic membership
+    def at_window_start(self) -> None:
+        """Between windows: admit replicas waiting to join, or join if this replica arrived late
+        (``elastic_join.py``); once per boundary, and nothing without elastic membership."""
+        if self._boundary and not self._active and self._boundary_done != self.windows:
+            at_boundary(self)
+            self._boundary_done = self.windows
 
 
 def _device_of(model: nn.Module) -> torch.device:

@@ -68,6 +68,11 @@ class StoreMembership:
         self.machine_of: dict[int, int] = {}  # member id -> its launcher
         self._beats: dict[int, tuple[int, float]] = {}  # launcher -> (heartbeat, when it last moved)
         self.events: list[MembershipEvent] = []
+        self.joining = False  # arrived after the job started and not admitted yet (elastic_join.py)
+        self.joins_seen = 0  # join requests this member has decided on
+        self.registered: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict(), sent to joiners
+        self.bytes_per_join: list[int] = []  # what each admission sent every joiner
+        self.join_waits: list[float] = []  # on a joiner: seconds from asking to being admitted
         self.graveyard: list[Any] = []  # earlier groups, kept referenced (see detach_default_group)
         self._failed_at: float | None = None
 
@@ -76,24 +81,24 @@ class StoreMembership:
 
     # ---------------------------------------------------------------- generation 0
     def form_first(self) -> None:
-        """Wait for every replica, then form generation 0; a replica arriving later waits to join."""
+        """Wait for every replica, then form generation 0; a replica arriving later joins at a window
+        boundary (``elastic_join.py``): until then it trains alone, on a group of its own."""
         if self.store.check([f"{P}/job/started"]):
-            self._wait_as_joiner()
+            self.joining, self.generation = True, -1
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"{P}/solo/{self.replica_id}/{self.restart}",
+                                                                         self.store), rank=0, world_size=1)
+            return
         self.store.set(self.key(f"alive/{self.replica_id}"), self._alive_value())
         ids = list(range(self.replicas))
         self.store.wait([self.key(f"alive/{i}") for i in ids], self.timeout)
         self.store.compare_set(f"{P}/job/started", "", "1")
         self._adopt(ids)
 
-    def _wait_as_joiner(self) -> None:
-        """Joining a running job is not built yet: wait until the launcher ends this process."""
-        self.store.set(f"{P}/waiting/{self.replica_id}", str(self.restart))
-        log.warning("gradsync.elastic: replica %d (restart %d) arrived after the job started; it waits "
-                    "until the job ends", self.replica_id, self.restart)
-        while True:
-            if self.store.check([f"{P}/job/failed"]):
-                raise MembershipError(f"gradsync: the job failed: {self.store.get(f'{P}/job/failed').decode()}")
-            time.sleep(1.0)
+    def enter(self, g: int, ids: list[int]) -> None:
+        """Become a member of generation ``g`` of ``ids`` (an admission, on members and joiners alike)."""
+        self.store.set(self.key(f"alive/{self.replica_id}", g), self._alive_value())
+        self.generation = g
+        self._adopt(ids)
 
     def _adopt(self, ids: list[int]) -> None:
         """Become a member of this generation's ``ids``: read their restart counts, build the group."""
@@ -199,14 +204,14 @@ class StoreMembership:
         left = [m for m in before if m not in self.members]
         lost = len(left) * (window[1] if window else 1)
         event = MembershipEvent(generation=g, window=window[0] - 1 if window else sync, left=left, joined=[],
-                                micro_steps_lost=lost, seconds=self._slowest(time.monotonic() - start))
+                                micro_steps_lost=lost, seconds=self.slowest(time.monotonic() - start))
         self.events.append(event)
         self._failed_at = None
         log.warning("gradsync.elastic: generation %d: replica(s) %s left in window %d (%d micro-steps lost); "
                     "members %s; re-formed in %.2f s", g, left, event.window, lost, self.members, event.seconds)
         return dist.group.WORLD
 
-    def _slowest(self, seconds: float) -> float:
+    def slowest(self, seconds: float) -> float:
         """The longest any member took from the failure it saw to the new group: the same on every member."""
         self.store.set(self.key(f"seconds/{self.replica_id}"), f"{seconds:.4f}")
         keys = [self.key(f"seconds/{m}") for m in self.members]
@@ -275,6 +280,15 @@ def _current() -> StoreMembership:
     return _membership
 
 
+def register(name: str, obj: Any) -> None:
+    """Send ``obj``'s ``state_dict()`` to every replica that joins (``load_state_dict`` there): e.g. a data
+    loader's position or an RNG. Register the same names on every replica before the first window."""
+    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        raise TypeError(f"gradsync: register() needs an object with state_dict() and load_state_dict(), got "
+                        f"{type(obj).__name__}")
+    _current().registered[str(name)] = obj
+
+
 def members() -> list[int]:
     """The sorted replica ids of the current membership, the same on every member."""
     return list(_current().members)
@@ -285,4 +299,4 @@ def events() -> list[MembershipEvent]:
     return list(_current().events)
 
 
-__all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "init_process_group", "members"]
+__all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "init_process_group", "members", "register"]
