@@ -32,6 +32,11 @@ def micro_batch(replica: int, window: int, step: int, items: bool) -> tuple[torc
     return torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
 
 
+def dataset(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
 def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.25, momentum=0.5)
 
@@ -55,6 +60,9 @@ def main() -> None:
     parser.add_argument("--point", choices=POINTS, default="none")
     parser.add_argument("--items", action="store_true", help="sum losses with num_items, uneven micro-batches")
     parser.add_argument("--plain", action="store_true", help="no accumulator: loss.backward() and a step each window")
+    parser.add_argument("--sampler", type=int, default=0, help="draw from a dataset of this many samples "
+                        "through gradsync.elastic.ElasticSampler")
+    parser.add_argument("--global-batch", type=int, default=None, help="with --sampler: samples per window")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds at each window's start (a slower job)")
     parser.add_argument("--kill-launcher", action="store_true", help="the victim kills its launcher too")
     parser.add_argument("--buffers", action="store_true", help="a model with buffers, broadcast at every forward")
@@ -74,19 +82,20 @@ def main() -> None:
     optimizer = make_optimizer(model.parameters())
     if not args.plain:
         optimizer = acc.wrap_optimizer(optimizer)
-    state = {"window": -1, "step": -1}
+    state = {"window": -1, "step": -1, "last": False}
 
-    def at(point: str, step: int | None = None) -> bool:
-        return (victim and args.point == point and state["window"] == args.window
-                and (step is None or state["step"] == step))
+    def at(point: str, step: int | str | None = None) -> bool:
+        """Whether the victim is at ``point`` of micro-step ``step`` ("last": the window's synced one)."""
+        here = state["last"] if step == "last" else step is None or state["step"] == step
+        return victim and args.point == point and state["window"] == args.window and here
 
-    kill_step = steps - 1 if args.kill_step is None else args.kill_step
+    kill_step = "last" if args.kill_step is None else args.kill_step
     net.register_forward_pre_hook(lambda *_: die() if at("forward", kill_step) else None)
     if victim and args.point == "during_reductions":  # after the header and the first bucket's all-reduce
         all_reduce, calls = torch.distributed.all_reduce, []
 
         def counted(*a, **k):
-            if at("during_reductions", steps - 1):
+            if at("during_reductions", "last"):
                 calls.append(1)
                 if len(calls) == 3:
                     die()
@@ -105,21 +114,32 @@ def main() -> None:
             return decided
         membership.commit = vote
 
-    def micro_steps():  # (window, micro-step); with an accumulator, its state says where the job is
+    processed, sampler = [], None
+
+    def micro_steps():  # (window, micro-step, x, y); with an accumulator, its state says where the job is
+        nonlocal sampler
         if args.plain:
-            yield from ((w, 0) for w in range(args.windows))
+            yield from ((w, 0, *micro_batch(me, w, 0, args.items)) for w in range(args.windows))
+            return
+        if args.sampler:  # each window's global batch dealt across the members of that window
+            xs, ys = dataset(args.sampler)
+            sampler = gradsync.elastic.ElasticSampler(args.sampler, micro_batch=4, seed=3,
+                                                      global_batch=args.global_batch, steps=None if args.global_batch else steps)
+            for idx in sampler.iterate(acc):
+                with acc.accumulate():
+                    processed.append((acc.windows - 1, idx))
+                    yield acc.windows - 1, acc.micro_step, xs[idx], ys[idx]
             return
         while not (acc.is_boundary and acc.windows >= args.windows):
             with acc.accumulate():  # a replica that joins gets the members' state here
-                yield acc.windows - 1, acc.micro_step
+                yield acc.windows - 1, acc.micro_step, *micro_batch(me, acc.windows - 1, acc.micro_step, args.items)
 
-    for w, k in micro_steps():
+    for w, k, x, y in micro_steps():
         time.sleep(args.sleep if k == 0 else 0)
-        state.update(window=w, step=k)
-        x, y = micro_batch(me, w, k, args.items)
+        state.update(window=w, step=k, last=args.plain or acc.is_boundary)
         out = model(x)
         loss = torch.nn.functional.mse_loss(out, y, reduction="sum" if args.items else "mean")
-        if at("local_backward", 0) or at("before_reductions", steps - 1):
+        if at("local_backward", 0) or at("before_reductions", "last"):
             loss.register_hook(lambda g: die())
         if args.plain:
             loss.backward()
@@ -131,7 +151,7 @@ def main() -> None:
         optimizer.zero_grad()
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
     torch.save({"params": [p.detach().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
-                "events": events}, os.path.join(args.out, f"{me}.pt"))
+                "events": events, "processed": processed, "lost": sampler.lost if sampler else None}, os.path.join(args.out, f"{me}.pt"))
 
 
 if __name__ == "__main__":

@@ -14,7 +14,10 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from elastic_train import build_model, make_optimizer, micro_batch  # noqa: E402
+from elastic_train import build_model, dataset, make_optimizer, micro_batch  # noqa: E402
+
+from gradsync.elastic import ElasticSampler  # noqa: E402
+from gradsync.layers.elastic_data import deal  # noqa: E402
 
 SCRIPT = Path(__file__).parent / "elastic_train.py"
 WINDOWS, STEPS = 4, 3
@@ -219,3 +222,69 @@ def test_a_whole_machine_dies(tmp_path):
     proc = subprocess.CompletedProcess(cmd, 0, "", outputs[0][1] + outputs[1][1])
     results = check_run(tmp_path, proc, victim=2, window=1)
     assert 5 <= results[0]["events"][0]["seconds"] < 30  # the heartbeat stood still 5 s
+
+
+def members_in(events: list[dict], window: int, replicas: int = 3) -> list[int]:
+    members = set(range(replicas))
+    for e in events:
+        if e["window"] <= window:
+            members = (members - set(e["left"])) | set(e["joined"])
+    return sorted(members)
+
+
+def sampler_reference(events: list[dict], n: int, global_batch: int) -> tuple[list[torch.Tensor], list]:
+    """One process on every micro-batch the sampler dealt, less those of a replica in the window it left in."""
+    net, xs, ys = build_model(), *dataset(n)
+    optimizer = make_optimizer(net.parameters())
+    order, offset, w, lost = ElasticSampler(n, micro_batch=4, global_batch=global_batch, seed=3).order(0), 0, 0, []
+    while offset + global_batch <= n:
+        dealt = deal(order[offset:offset + global_batch], 4, members_in(events, w - 1) if w else [0, 1, 2])
+        gone = {r for e in events if e["window"] == w for r in e["left"]}
+        lost += [(w, r, [i for mb in dealt[r] for i in mb]) for r in sorted(gone)]
+        kept = [mb for r, mbs in dealt.items() if r not in gone for mb in mbs]
+        loss = sum(torch.nn.functional.mse_loss(net(xs[mb]), ys[mb]) for mb in kept) / len(kept)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        offset, w = offset + global_batch, w + 1
+    return [p.detach() for p in net.parameters()], lost
+
+
+def test_sampler_global_batch_follows_a_shrink_and_a_join(tmp_path):
+    """A constant global batch of 24 (6 micro-batches of 4) over 3, then 2, then 3 members: no sample
+    twice, only the dead replica's micro-batches of its last window lost, and exactly the mean over
+    what was kept, although members run 2 or 3 micro-steps per window."""
+    n, gb = 960, 24
+    proc = launch(tmp_path, "--sampler", str(n), "--global-batch", str(gb), "--victim", "2", "--window", "3",
+                  "--point", "during_reductions", "--sleep", "0.1", max_restarts=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = survivors(tmp_path)
+    assert sorted(results) == [0, 1, 2], proc.stderr[-4000:]
+    first = results[0]
+    for r in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
+        assert results[r]["events"] == first["events"] and results[r]["lost"] == first["lost"]
+    events = first["events"]
+    assert [(e["window"], e["left"], e["joined"]) for e in events][0] == (3, [2], [])
+    assert [e["joined"] for e in events][1:] == [[2]]
+    seen = [i for r in results.values() for _, idx in r["processed"] for i in idx]
+    lost = [i for _, _, idx in first["lost"] for i in idx]
+    assert len(seen) == len(set(seen)) and not set(seen) & set(lost)  # no sample twice in the epoch
+    want, want_lost = sampler_reference(events, n, gb)
+    assert [tuple(x) for x in first["lost"]] == [tuple(x) for x in want_lost] and len(lost) == 8
+    for got, ref in zip(first["params"], want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_sampler_uneven_micro_steps_without_a_failure(tmp_path):
+    """20 samples a window: 5 micro-batches of 4 dealt 2, 2, 1; the window is the mean over all 5."""
+    proc = launch(tmp_path, "--sampler", "200", "--global-batch", "20")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = survivors(tmp_path)
+    assert sorted(results) == [0, 1, 2]
+    counts = [len([1 for w, _ in results[r]["processed"] if w == 0]) for r in range(3)]
+    assert counts == [2, 2, 1]
+    want, _ = sampler_reference([], 200, 20)
+    for r in range(3):
+        for got, ref in zip(results[r]["params"], want):
+            torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -210,6 +210,17 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         """Run the collectives the other ranks ran in a micro-step this rank skipped (``standin.py``)."""
         return standin.stand_in(self, start, sync, again)
 
+    def advance_counters(self, micro_steps: int) -> None:
+        """This rank runs ``micro_steps`` fewer micro-steps than the others in this window (an uneven
+        plan: ``acc.plan_window``); count them as run, so the phase headers agree."""
+        if self.will_broadcast_buffers() and next(self.module.buffers(), None) is not None:
+            raise ValueError("gradsync: ranks with different numbers of micro-steps in a window cannot broadcast "
+                             "buffers at every forward (each forward would pair with a different collective); "
+                             "construct the model with broadcast_buffers=False, or give every rank the same count")
+        c = self.reducer.counters
+        c.forward += micro_steps * int(self.module.training)
+        c.backward += micro_steps
+
     def failed_ranks(self) -> list[int]:
         """Ranks whose latest synced backward failed part-way (their window was reduced as nothing)."""
         return list(self.reducer.failed_ranks)

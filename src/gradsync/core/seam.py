@@ -40,6 +40,9 @@ class SyncTarget(Protocol):
         (``core/standin.py``); return "replayed", "dropped" or "resynced" (local window dropped)."""
 
 
+    def advance_counters(self, micro_steps: int) -> None:
+        """Count ``micro_steps`` this rank does not run in a window where others run more (uneven plans)."""
+
     def failed_ranks(self) -> list[int]:
         """Ranks whose latest synced backward failed part-way and were reduced as contributing nothing."""
 

@@ -90,6 +90,8 @@ class GradientAccumulator(Windows):
         if self._boundary:
             self.at_window_start()
             self._start_window()
+            if self._short_by and self._target is not None:
+                self._target.advance_counters(self._short_by)
         self._position += 1
         self._boundary = self._position >= self._window_len or self._end_of_data
         self._end_of_data = False

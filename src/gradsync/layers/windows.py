@@ -30,7 +30,8 @@ class Windows:
         self._position = 0  # micro-steps taken in the current window, the current one included
         self._window_len = steps  # planned length: loss scale 1/len, a shorter close is corrected
         self._scale_len = steps  # the loss's denominator: the window's micro-steps on all ranks together / W
-        self._plan: tuple[int, int] | None = None  # plan_window()'s (micro-steps here, on every rank)
+        self._plan: tuple[int, int, int] | None = None  # plan_window()'s (here, on all ranks, most on one rank)
+        self._short_by = 0  # micro-steps this rank runs fewer than the busiest rank in this window
         self._boundary = True  # before the first micro-step: "between windows"
         self._end_of_data = False  # iterate() is yielding the data's last item
         self._kind: str | None = None  # MEAN or ITEMS (normalize.py): what the window's backwards took
@@ -64,10 +65,11 @@ class Windows:
         self._weights, self._next_weights = self._next_weights, None
         self._rows, self._next_rows = self._next_rows, None
         self._window_len = len(self._weights) if self._weights is not None else self.steps
-        self._scale_len = self._window_len
+        self._scale_len, self._short_by = self._window_len, 0
         if self._plan is not None and self._weights is None:
-            self._window_len, total = self._plan
+            self._window_len, total, most = self._plan
             self._scale_len = total / self._world_size  # the reduction averages over the ranks
+            self._short_by = most - self._window_len
         self._plan = None
         self._ran, self._units, self._records, self.window_empty = [], 0, [], False
 
@@ -76,12 +78,15 @@ class Windows:
         """The current micro-step's 0-based place in its window (inside ``accumulate()``)."""
         return self._position - 1
 
-    def plan_window(self, here: int, total: int) -> None:
-        """The next window runs ``here`` micro-steps on this rank and ``total`` on all ranks together
-        (uneven counts: ``ElasticSampler``); a mean loss is then averaged over all ``total``."""
-        if here < 1 or total < here:
-            raise ValueError(f"gradsync: plan_window needs 1 <= here <= total, got here={here}, total={total}")
-        self._plan = (int(here), int(total))
+    def plan_window(self, here: int, total: int, most: int | None = None) -> None:
+        """The next window runs ``here`` micro-steps on this rank, ``total`` on all ranks together and
+        ``most`` (default ``here``) on the busiest rank (uneven counts: ``ElasticSampler``); a mean loss
+        is then averaged over all ``total``."""
+        most = here if most is None else most
+        if not 1 <= here <= most <= total:
+            raise ValueError(f"gradsync: plan_window needs 1 <= here <= most <= total, got here={here}, "
+                             f"most={most}, total={total}")
+        self._plan = (int(here), int(total), int(most))
 
     # ---------------------------------------------------------------- data
     def iterate(self, iterable: Iterable, micro_batches: int | None = None) -> Iterator[Any]:
@@ -144,7 +149,8 @@ class Windows:
                 "items": None if self._items is None else float(self._items),
                 "weights": self._weights, "next_weights": self._next_weights, "windows": self.windows,
                 "rows": self._rows, "next_rows": self._next_rows, "ran": list(self._ran), "units": self._units,
-                "skips": list(self._records), "scale_len": self._scale_len, "plan": self._plan}
+                "skips": list(self._records), "scale_len": self._scale_len, "plan": self._plan,
+                "short_by": self._short_by}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume a window where ``state_dict()`` left it (gradients are the caller's to restore)."""
@@ -168,6 +174,7 @@ class Windows:
         self._units = state.get("units", len(ran) if self._rows is None else sum(self._rows[k - 1] for k in ran))
         self._records = [tuple(r) for r in state.get("skips", [])]
         self._scale_len, self._plan = state.get("scale_len", self._window_len), state.get("plan")
+        self._short_by = state.get("short_by", 0)
         items = state["items"]
         self._items = None if items is None else torch.tensor(items, dtype=torch.float64,
                                                               device=self._device)
