@@ -34,12 +34,12 @@ def launch(tmp_path: Path, *script_args: str, replicas: int = 3, min_replicas: i
 
 
 def reference(events: list[dict], replicas: int, *, items: bool = False, steps: int = STEPS,
-              buffers: bool = False, windows: int = WINDOWS) -> list[torch.Tensor]:
+              buffers: bool = False, windows: int = WINDOWS, initial: int | None = None) -> list[torch.Tensor]:
     """One process trained on what was kept: replica r's micro-steps up to the window it left in."""
     net = build_model(buffers)
     optimizer = make_optimizer(net.parameters())
     for w in range(windows):
-        members = set(range(replicas))  # replica r counts from the window it joined, until the one it left in
+        members = set(range(replicas if initial is None else initial))  # from the window it joined to the one it left in
         for e in events:
             if e["window"] <= w:
                 members = (members - set(e["left"])) | set(e["joined"])
@@ -209,7 +209,7 @@ def test_a_whole_machine_dies(tmp_path):
         for m in range(3):  # one at a time, so launcher 0 hosts the store and launcher 2 holds replica 2
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
             store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-            while store.add("gradsync/machines", 0) < m + 1:
+            while store.add("gradsync/ids", 0) < m + 1:
                 assert procs[-1].poll() is None, procs[-1].communicate()
                 time.sleep(0.05)
             del store
@@ -232,13 +232,22 @@ def members_in(events: list[dict], window: int, replicas: int = 3) -> list[int]:
     return sorted(members)
 
 
+def dealt_to(events: list[dict], window: int, replicas: int = 3) -> list[int]:
+    """The members a window is dealt to: after the changes of earlier windows and the joins before it."""
+    members = set(range(replicas))
+    for e in events:
+        if e["window"] < window or (e["window"] == window and e["joined"]):
+            members = (members - set(e["left"])) | set(e["joined"])
+    return sorted(members)
+
+
 def sampler_reference(events: list[dict], n: int, global_batch: int) -> tuple[list[torch.Tensor], list]:
     """One process on every micro-batch the sampler dealt, less those of a replica in the window it left in."""
     net, xs, ys = build_model(), *dataset(n)
     optimizer = make_optimizer(net.parameters())
     order, offset, w, lost = ElasticSampler(n, micro_batch=4, global_batch=global_batch, seed=3).order(0), 0, 0, []
     while offset + global_batch <= n:
-        dealt = deal(order[offset:offset + global_batch], 4, members_in(events, w - 1) if w else [0, 1, 2])
+        dealt = deal(order[offset:offset + global_batch], 4, dealt_to(events, w))
         gone = {r for e in events if e["window"] == w for r in e["left"]}
         lost += [(w, r, [i for mb in dealt[r] for i in mb]) for r in sorted(gone)]
         kept = [mb for r, mbs in dealt.items() if r not in gone for mb in mbs]
@@ -288,3 +297,45 @@ def test_sampler_uneven_micro_steps_without_a_failure(tmp_path):
     for r in range(3):
         for got, ref in zip(results[r]["params"], want):
             torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_a_new_replica_id_grows_the_job(tmp_path):
+    """A second launcher reaches the coordinator after the job started: its replica gets a new id (2),
+    joins at a window boundary, and the job goes on with three members, bit-identical."""
+    import socket
+    from datetime import timedelta
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    windows = 40
+
+    def launcher(replicas: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "gradsync.tools.cli", "run", "--replicas", str(replicas), "--coordinator",
+               f"127.0.0.1:{port}", str(SCRIPT), "--out", str(tmp_path), "--windows", str(windows), "--steps",
+               str(STEPS), "--sleep", "0.1"]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+
+    procs = [launcher(2)]
+    try:
+        store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        store.wait(["gradsync/job/started"], timedelta(seconds=60))
+        del store
+        procs.append(launcher(1))
+        outputs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
+    results = survivors(tmp_path)
+    assert sorted(results) == [0, 1, 2]
+    first = results[0]
+    for r in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
+        assert results[r]["events"] == first["events"] and results[r]["members"] == [0, 1, 2]
+    (event,) = first["events"]
+    assert (event["generation"], event["left"], event["joined"]) == (1, [], [2]) and 0 < event["window"] < windows
+    want = reference(first["events"], 3, windows=windows, initial=2)
+    for got, ref in zip(first["params"], want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)

@@ -120,13 +120,18 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     store, address, hosting = connect(args.coordinator)
     machine = store.add("gradsync/machines", 1) - 1
-    if machine >= args.machines:
+    late = store.check(["gradsync/job/started"])  # its replicas join the running job with new ids
+    if machine >= args.machines and not late:
         print(f"gradsync run: {machine + 1} launchers reached {address}, but --machines is {args.machines}",
               file=sys.stderr)
         raise SystemExit(2)
+    # ids in blocks, in the order launchers reach the coordinator: m*R .. m*R+R-1 while every launcher
+    # has the same --replicas, and never an id twice when a later launcher brings another count
+    first_id = store.add("gradsync/ids", args.replicas) - args.replicas
     total = args.replicas * args.machines
-    store.set("gradsync/replicas", str(total))
-    store.set("gradsync/min_replicas", str(args.min_replicas))
+    if not late:
+        store.set("gradsync/replicas", str(total))
+        store.set("gradsync/min_replicas", str(args.min_replicas))
     base_env = {**os.environ, "GRADSYNC_COORDINATOR": address, "GRADSYNC_REPLICAS": str(total),
                 "GRADSYNC_MIN_REPLICAS": str(args.min_replicas), "GRADSYNC_MACHINE": str(machine)}
 
@@ -142,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
 
-    replicas = [Replica(rid, start(rid, 0)) for rid in range(machine * args.replicas, (machine + 1) * args.replicas)]
+    replicas = [Replica(rid, start(rid, 0)) for rid in range(first_id, first_id + args.replicas)]
     try:
         code = supervise(store, args, machine, hosting, replicas, start, received)
     except BaseException as exc:
@@ -209,9 +214,10 @@ def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica],
     store.set(f"gradsync/launcher_done/{machine}", "1")
     if interrupted_at is not None:
         return 128 + received[0]
-    if hosting and args.machines > 1:
+    launchers = store.add("gradsync/machines", 0)  # late launchers included
+    if hosting and launchers > 1:
         # the other launchers still need the store: wait for them to finish with it
-        others = [m for m in range(args.machines) if m != machine]
+        others = [m for m in range(launchers) if m != machine]
         beats: dict[int, tuple[int, float]] = {}
         deadline = time.monotonic() + CONNECT_S
         while others and time.monotonic() < deadline and not received:
