@@ -214,7 +214,7 @@ def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica],
     store.set(f"gradsync/launcher_done/{machine}", "1")
     if interrupted_at is not None:
         return 128 + received[0]
-    launchers = store.add("gradsync/machines", 0)  # late launchers included
+    launchers = max(args.machines, store.add("gradsync/machines", 0))  # late launchers included
     if hosting and launchers > 1:
         # the other launchers still need the store: wait for them to finish with it
         others = [m for m in range(launchers) if m != machine]
