@@ -280,6 +280,11 @@ def _current() -> StoreMembership:
     return _membership
 
 
+def membership() -> StoreMembership:
+    """This process's membership (its generation, join figures); after ``init_process_group``."""
+    return _current()
+
+
 def register(name: str, obj: Any) -> None:
     """Send ``obj``'s ``state_dict()`` to every replica that joins (``load_state_dict`` there): e.g. a data
     loader's position or an RNG. Register the same names on every replica before the first window."""
@@ -299,4 +304,5 @@ def events() -> list[MembershipEvent]:
     return list(_current().events)
 
 
-__all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "init_process_group", "members", "register"]
+__all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "init_process_group", "members", "membership",
+           "register"]

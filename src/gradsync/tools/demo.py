@@ -3,6 +3,7 @@
 Local (what `make demo` runs): 2 gloo processes forked on this machine, no GPU needed:
     gradsync demo                         # or: python -m gradsync.tools.demo --local
     gradsync demo --nproc 4 --accum 8     # more ranks, longer windows
+    gradsync demo --elastic               # 3 replicas; one is SIGKILLed mid-run and rejoins
 Many nodes, NCCL, one process per GPU (rank 0 prints the summary and writes the plot):
     torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d --rdzv_endpoint=$HOST:29500 \\
         -m gradsync.tools.demo --backend nccl
@@ -231,6 +232,8 @@ def parse_args(argv=None):
     p.add_argument("--out", default="demo-output", help="directory for the loss curve")
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--local", action="store_true", help="fork --nproc local gloo ranks")
+    p.add_argument("--elastic", action="store_true", help="3 replicas under `gradsync run`; one is SIGKILLed "
+                   "mid-run and rejoins (demo_elastic.py)")
     args = p.parse_args(argv)
     if args.nproc < 1 or args.accum < 1 or args.epochs < 1:
         p.error("--nproc, --accum and --epochs must be at least 1")
@@ -250,6 +253,10 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.elastic:
+        from .demo_elastic import main as elastic_demo
+        elastic_demo(args.out)
+        return
     if args.local or "RANK" not in os.environ:
         from .launch import run_ranks
         if args.batch % args.nproc:
