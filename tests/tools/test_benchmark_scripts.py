@@ -123,3 +123,39 @@ def test_before_after_quick_run(tmp_path):
         assert row["max_param_diff"][again] == 0
     report = (tmp_path / "redesign_before_after-quick.md").read_text()
     assert report.count("| mlp-tiny | 1 | ddp |") == 3 and "## Do the runs agree?" in report  # 2 runs + agreement
+
+
+def elastic_script(tmp_path, script, *args, timeout=300):
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
+    return subprocess.run([sys.executable, str(BENCHMARKS / script), "--out", str(tmp_path), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_elastic_soak_short_run(tmp_path):
+    """The soak's own checks pass on a short run: two kills, two rejoins, nothing seen twice, exact."""
+    done = elastic_script(tmp_path, "elastic_soak.py", "--samples", "1500", "--sleep", "0.2", "--name", "soak")
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    figures = json.loads((tmp_path / "soak.json").read_text())
+    assert len(figures["kills"]) >= 2 and len(figures["join_pause_s"]) == len(figures["kills"])
+    assert figures["identical"] and figures["max_abs_diff"] <= 1e-5 and figures["lost_matches"]
+    assert figures["processed"] == figures["distinct_processed"]
+
+
+@pytest.mark.slow
+def test_elastic_soak_on_two_network_namespaces(tmp_path):
+    if os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode:
+        pytest.skip("needs root and ip netns")
+    done = elastic_script(tmp_path, "elastic_soak.py", "--namespaces", "--samples", "4000", "--sleep", "0.2",
+                          "--name", "ns", timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    figures = json.loads((tmp_path / "ns.json").read_text())
+    assert figures["machine_kill"] and figures["identical"] and figures["lost_matches"]
+    assert figures["members"] == [0, 1, 4, 5] or len(figures["members"]) == 4
+
+
+@pytest.mark.slow
+def test_elastic_recovery_quick_run(tmp_path):
+    done = elastic_script(tmp_path, "elastic_recovery.py", "--kills", "2", "--pairs", "1", "--name", "er")
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads((tmp_path / "er.json").read_text())
+    assert len(data["kills"]) == 2 and all(k["latency_s"] < 30 for k in data["kills"])

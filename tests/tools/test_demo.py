@@ -59,3 +59,11 @@ def test_accumulation_example_matches_one_process(flags, capfd):
     load_example("accumulate").main(["--micro", "10", "--accum", "4", "--batch", "16"] + flags)
     out = capfd.readouterr().out
     assert "3 optimizer steps (expected 3)" in out and "check passed" in out
+
+
+def test_elastic_demo_survives_a_kill_and_the_replica_rejoins(tmp_path, capfd):
+    demo.main(["--elastic", "--out", str(tmp_path)])
+    out = capfd.readouterr().out
+    assert "replica(s) [2] left in window 15" in out and "replica(s) [2] joined before window" in out
+    assert "members bit-identical: True" in out
+    assert (tmp_path / "elastic-loss.png").stat().st_size > 1000

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .demo import accuracy, make_model, spirals
+from gradsync.tools.demo import accuracy, make_model, spirals  # absolute: gradsync run runs this file as a script
 
 SAMPLES, MICRO, GLOBAL, STEPS, LR, KILL_AT = 7680, 16, 96, 2, 1e-2, 15
 
