@@ -142,28 +142,19 @@ def reference(events: list[dict], samples: int, replicas: int = REPLICAS):
     """One process on every micro-batch dealt, less those a replica held in the window it left in."""
     import torch
 
-    from gradsync.layers.elastic_data import ElasticSampler, deal
+    from gradsync.elastic import ElasticSampler
     net, (xs, ys) = build(torch), dataset(torch, samples)
     optimizer = optimizer_of(torch, net.parameters())
-    order, offset, w, lost = ElasticSampler(samples, micro_batch=MICRO, steps=STEPS, seed=SEED).order(0), 0, 0, []
-    while True:
-        members = set(range(replicas))
-        for e in events:
-            if e["window"] < w or (e["window"] == w and e["joined"]):
-                members = (members - set(e["left"])) | set(e["joined"])
-        size = STEPS * MICRO * len(members)
-        if offset + size > samples:
-            break
-        dealt = deal(order[offset:offset + size], MICRO, sorted(members))
-        gone = {r for e in events if e["window"] == w for r in e["left"]}
-        lost += [(w, r, [i for mb in dealt[r] for i in mb]) for r in sorted(gone)]
-        kept = [mb for r, mbs in dealt.items() if r not in gone for mb in mbs]
+    lost, windows = [], 0
+    for window, kept, gone in ElasticSampler(samples, micro_batch=MICRO, steps=STEPS, seed=SEED).replay(
+            events, list(range(replicas))):
+        lost += [(window, r, idx) for r, idx in gone]
         loss = sum(torch.nn.functional.mse_loss(net(xs[mb]), ys[mb]) for mb in kept) / len(kept)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-        offset, w = offset + size, w + 1
-    return [p.detach() for p in net.parameters()], lost, w
+        windows = window + 1
+    return [p.detach() for p in net.parameters()], lost, windows
 
 
 def verify(out: Path, samples: int, replicas: int = REPLICAS) -> dict:

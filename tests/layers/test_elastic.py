@@ -60,16 +60,22 @@ def survivors(tmp_path: Path) -> dict[int, dict]:
     return {int(f.stem): torch.load(f) for f in sorted(tmp_path.glob("*.pt"))}
 
 
+def agreeing(results: dict[int, dict], expected: list[int], log: str = "") -> dict:
+    """Every expected member's result is there, bit-identical, with the same events, members and losses."""
+    assert sorted(results) == expected, log[-4000:]
+    first = results[expected[0]]
+    for r in expected:
+        assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
+        assert (results[r]["events"], results[r]["members"], results[r]["lost"]) == \
+            (first["events"], expected, first["lost"])
+    return first
+
+
 def check_run(tmp_path: Path, proc: subprocess.CompletedProcess, *, victim: int | None, window: int,
               items: bool = False, steps: int = STEPS, buffers: bool = False) -> dict[int, dict]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = survivors(tmp_path)
-    expected = sorted({0, 1, 2} - {victim})
-    assert sorted(results) == expected, proc.stderr[-4000:]
-    first = results[expected[0]]
-    for r in expected:  # the survivors agree bit for bit, on parameters, members and events
-        assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
-        assert results[r]["members"] == expected and results[r]["events"] == first["events"]
+    first = agreeing(results, sorted({0, 1, 2} - {victim}), proc.stderr)
     events = first["events"]
     if victim is None:
         assert events == []
@@ -133,12 +139,7 @@ def test_a_restarted_replica_joins_at_a_window_boundary(tmp_path):
     proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "during_reductions", "--sleep", "0.1",
                   max_restarts=1, windows=windows)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = survivors(tmp_path)
-    assert sorted(results) == [0, 1, 2], proc.stderr[-4000:]
-    first = results[0]
-    for r in (1, 2):
-        assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
-        assert results[r]["events"] == first["events"] and results[r]["members"] == [0, 1, 2]
+    first = agreeing(survivors(tmp_path), [0, 1, 2], proc.stderr)
     (left, joined) = first["events"]
     assert (left["generation"], left["window"], left["left"], left["joined"]) == (1, 1, [2], [])
     assert (joined["generation"], joined["left"], joined["joined"], joined["micro_steps_lost"]) == (2, [], [2], 0)
@@ -268,11 +269,7 @@ def test_sampler_global_batch_follows_a_shrink_and_a_join(tmp_path):
                   "--point", "during_reductions", "--sleep", "0.1", max_restarts=1)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = survivors(tmp_path)
-    assert sorted(results) == [0, 1, 2], proc.stderr[-4000:]
-    first = results[0]
-    for r in (1, 2):
-        assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
-        assert results[r]["events"] == first["events"] and results[r]["lost"] == first["lost"]
+    first = agreeing(results, [0, 1, 2], proc.stderr)
     events = first["events"]
     assert [(e["window"], e["left"], e["joined"]) for e in events][0] == (3, [2], [])
     assert [e["joined"] for e in events][1:] == [[2]]
@@ -328,12 +325,7 @@ def test_a_new_replica_id_grows_the_job(tmp_path):
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outputs[0][1][-3000:] + outputs[1][1][-3000:]
-    results = survivors(tmp_path)
-    assert sorted(results) == [0, 1, 2]
-    first = results[0]
-    for r in (1, 2):
-        assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
-        assert results[r]["events"] == first["events"] and results[r]["members"] == [0, 1, 2]
+    first = agreeing(survivors(tmp_path), [0, 1, 2])
     (event,) = first["events"]
     assert (event["generation"], event["left"], event["joined"]) == (1, [], [2]) and 0 < event["window"] < windows
     want = reference(first["events"], 3, windows=windows, initial=2)

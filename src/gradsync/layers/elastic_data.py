@@ -69,22 +69,45 @@ class ElasticSampler:
             acc.at_window_start()  # joins and admissions happen here, before the window is dealt
             members, me = _membership()
             self._note_losses(m)
-            size = self.global_batch or self.steps * self.micro_batch * len(members)
-            if size < self.micro_batch * len(members):
-                raise ValueError(f"gradsync: global_batch={size} gives some of the {len(members)} members no "
-                                 f"micro-batch of {self.micro_batch}; raise global_batch")
-            if self.offset + size > self.num_samples:  # the epoch's remainder is dropped
-                self.epoch, self.offset = self.epoch + 1, 0
-                if self.epoch >= self.epochs or size > self.num_samples:
-                    return
-            dealt = deal(self.order(self.epoch)[self.offset:self.offset + size], self.micro_batch, members)
+            dealt = self._deal_next(members)
+            if dealt is None:
+                return
             self.deals = {w: d for w, d in self.deals.items() if w >= acc.windows - 1}
             self.deals[acc.windows] = dealt  # acc.windows: the 0-based index of the window starting
-            self.offset += size
-            self.windows += 1
             mine = dealt[me]
             acc.plan_window(len(mine), sum(len(v) for v in dealt.values()), max(len(v) for v in dealt.values()))
             yield from mine
+
+    def _deal_next(self, members: list[int]) -> dict[int, list[list[int]]] | None:
+        """Deal the next window across ``members`` and advance; None at the end of the last epoch."""
+        size = self.global_batch or self.steps * self.micro_batch * len(members)
+        if size < self.micro_batch * len(members):
+            raise ValueError(f"gradsync: global_batch={size} gives some of the {len(members)} members no "
+                             f"micro-batch of {self.micro_batch}; raise global_batch")
+        if self.offset + size > self.num_samples:  # the epoch's remainder is dropped
+            self.epoch, self.offset = self.epoch + 1, 0
+            if self.epoch >= self.epochs or size > self.num_samples:
+                return None
+        dealt = deal(self.order(self.epoch)[self.offset:self.offset + size], self.micro_batch, members)
+        self.offset += size
+        self.windows += 1
+        return dealt
+
+    def replay(self, events: list[Any], members: list[int]) -> Iterator[tuple[int, list[list[int]], list[tuple]]]:
+        """Deal a whole run again from its first ``members`` and its membership ``events`` (records or
+        their dicts), on a fresh sampler: yield (window, the micro-batches kept, [(replica, samples) lost]),
+        what one process trains on to reproduce the run."""
+        rows = [e if isinstance(e, dict) else vars(e) for e in events]
+        current, window = set(members), 0
+        while True:
+            current |= {r for e in rows if e["window"] == window for r in e["joined"]}  # joins come before the deal
+            dealt = self._deal_next(sorted(current))
+            if dealt is None:
+                return
+            gone = {r for e in rows if e["window"] == window for r in e["left"]}
+            yield (window, [mb for r, mbs in dealt.items() if r not in gone for mb in mbs],
+                   [(r, [i for mb in dealt[r] for i in mb]) for r in sorted(gone)])
+            current, window = current - gone, window + 1
 
     def _note_losses(self, m: Any) -> None:
         """The replicas that left in a window lost the micro-batches dealt to them there."""

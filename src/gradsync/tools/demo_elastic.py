@@ -59,18 +59,13 @@ def worker(out: Path) -> None:
 
 def reference(events: list[dict]) -> list[torch.Tensor]:
     """One process on every micro-batch dealt, less those a replica held in the window it left in."""
-    from gradsync.layers.elastic_data import ElasticSampler, deal
+    from gradsync.elastic import ElasticSampler
     net = make_model()
     optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
     x, y = spirals(SAMPLES)
     x = x.double()
-    order, members = ElasticSampler(SAMPLES, micro_batch=MICRO, global_batch=GLOBAL, seed=0).order(0), {0, 1, 2}
-    for w in range(SAMPLES // GLOBAL):
-        members = members | {r for e in events if e["window"] == w for r in e["joined"]}
-        gone = {r for e in events if e["window"] == w for r in e["left"]}
-        kept = [mb for r, mbs in deal(order[w * GLOBAL:(w + 1) * GLOBAL], MICRO, sorted(members)).items()
-                if r not in gone for mb in mbs]
-        members -= gone
+    sampler = ElasticSampler(SAMPLES, micro_batch=MICRO, global_batch=GLOBAL, seed=0)
+    for _, kept, _ in sampler.replay(events, [0, 1, 2]):
         loss = sum(F.cross_entropy(net(x[mb]), y[mb]) for mb in kept) / len(kept)
         optimizer.zero_grad()
         loss.backward()
