@@ -63,6 +63,7 @@ def main() -> None:
     parser.add_argument("--sampler", type=int, default=0, help="draw from a dataset of this many samples "
                         "through gradsync.elastic.ElasticSampler")
     parser.add_argument("--global-batch", type=int, default=None, help="with --sampler: samples per window")
+    parser.add_argument("--until-full", type=int, default=0, help="go on past --windows until this many members")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds at each window's start (a slower job)")
     parser.add_argument("--kill-launcher", action="store_true", help="the victim kills its launcher too")
     parser.add_argument("--buffers", action="store_true", help="a model with buffers, broadcast at every forward")
@@ -130,7 +131,10 @@ def main() -> None:
                     processed.append((acc.windows - 1, idx))
                     yield acc.windows - 1, acc.micro_step, xs[idx], ys[idx]
             return
-        while not (acc.is_boundary and acc.windows >= args.windows):
+        # with --until-full the members go on, together, until the replica that rejoins is back: the
+        # test does not depend on how long a restart takes on a loaded machine
+        while not (acc.is_boundary and acc.windows >= args.windows
+                   and len(gradsync.elastic.members()) >= args.until_full):
             with acc.accumulate():  # a replica that joins gets the members' state here
                 yield acc.windows - 1, acc.micro_step, *micro_batch(me, acc.windows - 1, acc.micro_step, args.items)
 
@@ -151,7 +155,8 @@ def main() -> None:
         optimizer.zero_grad()
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
     torch.save({"params": [p.detach().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
-                "events": events, "processed": processed, "lost": sampler.lost if sampler else None}, os.path.join(args.out, f"{me}.pt"))
+                "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
+                "windows": args.windows if acc is None else acc.windows}, os.path.join(args.out, f"{me}.pt"))
 
 
 if __name__ == "__main__":
