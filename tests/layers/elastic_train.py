@@ -156,7 +156,7 @@ def main() -> None:
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
     torch.save({"params": [p.detach().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
                 "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
-                "windows": args.windows if acc is None else acc.windows}, os.path.join(args.out, f"{me}.pt"))
+                "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict()}, os.path.join(args.out, f"{me}.pt"))
 
 
 if __name__ == "__main__":

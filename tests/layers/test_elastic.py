@@ -66,6 +66,10 @@ def agreeing(results: dict[int, dict], expected: list[int], log: str = "") -> di
     first = results[expected[0]]
     for r in expected:
         assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
+        mine, theirs = results[r]["optimizer"], first["optimizer"]  # momentum buffers too, after a join
+        assert mine["param_groups"] == theirs["param_groups"] and mine["state"].keys() == theirs["state"].keys()
+        assert all(torch.equal(mine["state"][k]["momentum_buffer"], theirs["state"][k]["momentum_buffer"])
+                   for k in mine["state"]), r
         assert (results[r]["events"], results[r]["members"], results[r]["lost"]) == \
             (first["events"], expected, first["lost"])
     return first
