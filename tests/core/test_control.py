@@ -43,7 +43,8 @@ def test_skipped_backward_shows_in_the_forward_counters():
 
 def test_control_paired_with_another_collective_is_recognised():
     # e.g. the other rank's bucket all-reduce landed here: the present count is not the world size
-    total = control_tensor(0, 2, 4, 4, [True]) + torch.full((8,), 3, dtype=torch.int32)
+    mine = control_tensor(0, 2, 4, 4, [True])
+    total = mine + torch.full_like(mine, 3)
     with pytest.raises(SyncError, match="paired with a different collective"):
         check_agreement(total, rank=0, world_size=2, n=1, active=[0, 1], sync_count=3)
 

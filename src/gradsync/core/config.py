@@ -41,6 +41,8 @@ class ReducerConfig:
     """Check each reduced bucket for NaN/inf before writing it back."""
     sharded: bool = False
     """Reduce-scatter into per-rank gradient shards (``ShardedDataParallel``)."""
+    straggler_warning: bool = True
+    """Log a warning naming a rank that is the slowest in every recent synced backward (``telemetry.py``)."""
     wrapper_name: str = "DistributedDataParallel"
     """The wrapper's class name, for messages."""
 

@@ -2,7 +2,7 @@
 
 Every synced backward ends with one small int32 all-reduce launched after the last bucket:
 ``[backward counter per rank | used count per parameter | forward counter per rank | failed flag
-per rank | present]``.
+per rank | compute us, wait us and local squared norm per rank (telemetry.py) | present]``.
 Each rank writes only its own counter slots, so the sum is an all-gather of the counters; the
 used counts sum each rank's "this parameter produced a gradient" flag; ``present`` sums to the
 number of ranks that took part. That one collective lets every rank notice diverging ranks, name
@@ -47,23 +47,37 @@ def bounded_wait(handle: Any, timeout: timedelta) -> None:
 
 def empty_control(world_size: int, n: int, device: torch.device | None = None) -> torch.Tensor:
     """Return a zero control: the contribution of a rank that takes no part (e.g. a joined one)."""
-    return torch.zeros(3 * world_size + n + 1, dtype=torch.int32, device=device)
+    return torch.zeros(6 * world_size + n + 1, dtype=torch.int32, device=device)
 
 
 def control_tensor(rank: int, world_size: int, backward_count: int, forward_count: int,
-                   used: Sequence[bool], device: torch.device | None = None, failed: int = 0) -> torch.Tensor:
+                   used: Sequence[bool], device: torch.device | None = None, failed: int = 0,
+                   times_us: tuple[int, int] = (0, 0), norm2: torch.Tensor | None = None) -> torch.Tensor:
     """Build this rank's control on ``device`` (NCCL reduces only tensors on the rank's GPU).
 
     ``failed``: 1 when this rank's backward failed part-way and its window can be reduced again
-    without it, 2 when it cannot (it already held synced gradients of the window)."""
+    without it, 2 when it cannot (it already held synced gradients of the window). ``times_us``:
+    this rank's compute and wait (``telemetry.py``); ``norm2``: its local gradient's squared norm,
+    a float32 whose bits ride in an int32 slot (the sum adds zeros to them: they arrive intact)."""
     w, n = world_size, len(used)
     control = empty_control(w, n)
     control[rank] = backward_count
     control[w:w + n] = torch.tensor(used, dtype=torch.int32)
     control[w + n + rank] = forward_count
     control[2 * w + n + rank] = failed
+    control[3 * w + n + rank] = min(int(times_us[0]), 2**31 - 1)
+    control[4 * w + n + rank] = min(int(times_us[1]), 2**31 - 1)
     control[-1] = 1
-    return control.to(device) if device is not None else control
+    control = control.to(device) if device is not None else control
+    if norm2 is not None:
+        control[5 * w + n + rank] = norm2.reshape(1).to(device=control.device, dtype=torch.float32).view(torch.int32)[0]
+    return control
+
+
+def telemetry(control: torch.Tensor, world_size: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return the reduced control's per-rank [compute us | wait us] and local squared norms (float32)."""
+    w = world_size
+    return control[3 * w + n:5 * w + n], control[5 * w + n:6 * w + n].contiguous().view(torch.float32)
 
 
 def used_counts(control: torch.Tensor, world_size: int, n: int) -> list[int]:

@@ -75,7 +75,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
                  bucket_cap_mb_list: Sequence[float] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None, *, first_bucket_cap_mb: float | None = None,
                  timeout: timedelta | float | None = None, check_finite: bool = False,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, straggler_warning: bool = True):
         super().__init__()
         Joinable.__init__(self)
         if mixed_precision is not None:
@@ -118,7 +118,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
             timeout=resolve_timeout(timeout, self.process_group, self.device),
             reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]), check_finite=check_finite,
-            sharded=self.sharded, wrapper_name=type(self).__name__)
+            sharded=self.sharded, straggler_warning=bool(straggler_warning), wrapper_name=type(self).__name__)
         skip_wrapper_frames()
         self._reduced_names = reduced
         self._delayed_names = list(delayed)
@@ -329,6 +329,12 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         (max over ranks; ``core/autocap.py``). None before the choice or without ``"auto"``."""
         auto = self.reducer.auto_caps
         return None if auto is None or auto.choice is None else auto.choice.as_dict()
+
+    def sync_report(self) -> Any:
+        """The latest synced backward as every rank saw it (``core/telemetry.py``): ``ranks[r].compute_ms``
+        (rank r's own backward), ``ranks[r].wait_ms`` (its wait for the reduction), ``slowest``; the same
+        on every rank; None before the first synced backward."""
+        return self.reducer.last_report
 
     def wait(self, handle: Any, what: str) -> None:
         """Wait for a collective's Work or future, bounded by ``timeout``, naming ``what`` if it fails."""

@@ -30,7 +30,8 @@ from . import guard, messages, standin
 from ._torch import in_compiled_autograd, queue_end_of_backward
 from .autocap import AutoCaps
 from .config import ReducerConfig
-from .control import check_agreement, check_finite, check_missing, control_tensor, failed_ranks, used_counts
+from .control import (check_agreement, check_finite, check_missing, control_tensor, failed_ranks, telemetry,
+                      used_counts)
 from .graph import Expected
 from .header import BACKWARD
 from .launcher import BucketLauncher
@@ -38,6 +39,7 @@ from .layout import Layout
 from .membership import PeerFailure
 from .plane import ControlPlane, Counters
 from .store import BucketStore
+from .telemetry import Stragglers, SyncReport, read_report
 
 
 @dataclass
@@ -51,6 +53,9 @@ class IterationState:
     hook_counts: list[int] = field(default_factory=list)
     next_launch: int = 0  # the lowest bucket index not launched yet
     hooked: list[bool] | None = None  # which parameters this backward's hooks made ready (kept for a redo)
+    t_ready: float | None = None  # when the latest gradient of a synced backward was ready (telemetry.py)
+    hook_wait: float = 0.0  # seconds its hooks waited on the phase header (others' work, not this rank's)
+    norm2: Any = None  # with measure_norm: the squared norm of what went into the buckets
     record: dict | None = None  # this backward's comm trace, when tracing
 
 
@@ -90,6 +95,10 @@ class Reducer:
         self.broken: BaseException | None = None
         self.window_source: Callable[[], tuple[int, int]] | None = None  # the accumulator's window, for events
         self.on_regroup: Callable[[dist.ProcessGroup], None] | None = None  # the wrapper follows the new group
+        self.last_report: SyncReport | None = None  # the latest synced backward's timings (telemetry.py)
+        self.stragglers = Stragglers() if config.straggler_warning else None
+        self.measure_norm = False  # GradientAccumulator(noise_scale=True): each rank's local squared norm
+        self._forward_end = time.perf_counter()
         self._armed = False  # the latest forward wanted its backward to synchronize
         self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
         self._warned_ignored = False
@@ -152,6 +161,7 @@ class Reducer:
         skipped-backward check: an evaluation forward without ``torch.no_grad()`` is harmless.
         """
         self.pending_forwards += 1
+        self._forward_end = time.perf_counter()  # a synced backward's own work is timed from here
         self._armed = bool(sync)
         self.counters.forward += training
         self.expected.note_forward(outputs, self.config)
@@ -166,6 +176,7 @@ class Reducer:
         if param.grad is not None:  # autograd may leave it undefined: that is not a use (torch agrees)
             self.window_used[i] = True
         if it.syncing:
+            it.t_ready = time.perf_counter()
             self.layout.note_ready(i)
             self._mark_ready(i)
             if it.compiled_autograd and it.next_launch == len(self.store.buckets):
@@ -242,8 +253,13 @@ class Reducer:
             # before the first bucket, which must pair with a bucket everywhere; blocking here costs
             # at most one small all-reduce's latency per synced backward, hidden when the first
             # bucket fills later than that after the backward's first gradient
+            start = time.perf_counter()
             self.plane.check_header()
+            it.hook_wait += time.perf_counter() - start
         while it.next_launch < len(buckets) and buckets[it.next_launch].pending == 0:
+            if self.measure_norm:  # before the collective changes the buffer
+                part = buckets[it.next_launch].buffer.detach().float().square().sum()
+                it.norm2 = part if it.norm2 is None else it.norm2 + part
             self.launcher.launch(buckets[it.next_launch], buckets, it.record is not None)
             it.next_launch += 1
 
@@ -325,19 +341,22 @@ class Reducer:
         tracks_unused = self.config.find_unused_parameters or self.config.static_graph
         c = self.counters
         used = self.window_used if tracks_unused else [True] * n if failed else ready_in_hooks
-        control = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed)
-        self.launcher.before_control([b.handle for b in store.buckets])
-        control_work = self.plane.launch_control(control)
-
-        results = None
+        ready = it.t_ready or time.perf_counter()
+        results = None  # the buckets first: the control then carries how long this rank waited for them
         if self.bucket_reduced is not None:  # overlap_optimizer: write back and step bucket by bucket
             self._write_back_as_reduced()
         else:
             results = [self.launcher.result(b) for b in store.buckets]
-        self.plane.wait(control_work, "the end-of-backward check")
+        self.launcher.before_control([b.handle for b in store.buckets])
+        times = ((ready - self._forward_end - it.hook_wait) * 1e6, (time.perf_counter() - ready) * 1e6)
+        norm2 = self._local_norm2() if self.measure_norm else None
+        control = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed,
+                                 (max(times[0], 0), times[1]), norm2)
+        self.plane.wait(self.plane.launch_control(control), "the end-of-backward check")
         control = control.cpu()  # read once: every check below indexes it
         active = self.plane.active()
         check_agreement(control, rank=self.rank, world_size=self.world_size, n=n, active=active, sync_count=c.sync)
+        self._report(control, active)
         counts = used_counts(control, self.world_size, n)
         flags = failed_ranks(control, self.world_size, n)
         self.failed_ranks = sorted(flags)
@@ -364,6 +383,18 @@ class Reducer:
         c.sync += 1
         self.layout.after_sync(record)  # re-plans once from the observed order; "auto" times it
 
+    # ---------------------------------------------------------------- telemetry (telemetry.py)
+    def _local_norm2(self) -> torch.Tensor:
+        """This rank's window gradient's squared norm, from what its buckets received."""
+        total = self.it.norm2 if self.it.norm2 is not None else torch.zeros((), device=self.device)
+        return total * self.world_size ** 2 if self.launcher.divides_on_copy else total
+
+    def _report(self, control: torch.Tensor, active: list[int]) -> None:
+        values, norms = telemetry(control, self.world_size, len(self.params))
+        self.last_report = read_report(values, norms, active, self.counters.sync, self.measure_norm)
+        if self.stragglers is not None:
+            self.stragglers.observe(self.last_report)
+
     # ---------------------------------------------------------------- elastic membership (membership.py)
     def break_group(self, failure: BaseException) -> None:
         """Stop using the group until this window's synced backward re-forms it; tell the others."""
@@ -380,6 +411,7 @@ class Reducer:
         self.regroup(self.membership.reform(failure, self.counters.sync, window))
         self.broken = None
         it, n = self.it, len(self.params)
+        it.norm2 = None  # measured again as the buckets launch again
         if it.hooked is None:  # the group broke before this backward's end: its hooks so far are all it had
             it.hooked = list(it.ready)
         it.ready, it.hook_counts, it.next_launch = [False] * n, [0] * n, 0
