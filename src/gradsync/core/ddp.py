@@ -332,7 +332,7 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
 
     def sync_report(self) -> Any:
         """The latest synced backward as every rank saw it (``core/telemetry.py``): ``ranks[r].compute_ms``
-        (rank r's own backward), ``ranks[r].wait_ms`` (its wait for the reduction), ``slowest``; the same
+        (rank r's own backward), ``ranks[r].wait_ms`` (its waits on the others), ``slowest``; the same
         on every rank; None before the first synced backward."""
         return self.reducer.last_report
 

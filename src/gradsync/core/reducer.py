@@ -348,7 +348,8 @@ class Reducer:
         else:
             results = [self.launcher.result(b) for b in store.buckets]
         self.launcher.before_control([b.handle for b in store.buckets])
-        times = ((ready - self._forward_end - it.hook_wait) * 1e6, (time.perf_counter() - ready) * 1e6)
+        # its own work, and every wait on the others: in its hooks (the header) and after its last gradient
+        times = ((ready - self._forward_end - it.hook_wait) * 1e6, (time.perf_counter() - ready + it.hook_wait) * 1e6)
         norm2 = self._local_norm2() if self.measure_norm else None
         control = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed,
                                  (max(times[0], 0), times[1]), norm2)

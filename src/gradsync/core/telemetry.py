@@ -3,7 +3,7 @@
 Under DDP every rank waits for the slowest in the all-reduce, so timings taken from outside look
 alike. The reducer knows when this rank's last gradient of a synced backward was ready (its own
 work: from the forward's end, less the time its hooks waited on the phase header) and how long it
-then waited for every bucket. Each rank writes both, and its local gradient's squared norm when
+waited on the others (that header wait, then until every bucket was reduced). Each rank writes both, and its local gradient's squared norm when
 asked (``GradientAccumulator(noise_scale=True)``), into its own slots of the end-of-backward control
 (``control.py``): no extra collective, the same report on every rank.
 """
@@ -24,7 +24,7 @@ class RankSync:
     """One rank's part of one synced backward."""
 
     compute_ms: float  # from its forward's end until its last gradient was ready, less its waits
-    wait_ms: float  # from then until every bucket was reduced
+    wait_ms: float  # waiting on the other ranks: its hooks' wait on the header, then until every bucket was reduced
     local_norm2: float | None = None  # |its window's local gradient|^2, when measured (noise scale)
 
 
