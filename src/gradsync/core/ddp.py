@@ -330,6 +330,10 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         auto = self.reducer.auto_caps
         return None if auto is None or auto.choice is None else auto.choice.as_dict()
 
+    def measure_local_norms(self) -> None:
+        """From now on each synced backward's report carries every rank's local squared gradient norm."""
+        self.reducer.measure_norm = True
+
     def sync_report(self) -> Any:
         """The latest synced backward as every rank saw it (``core/telemetry.py``): ``ranks[r].compute_ms``
         (rank r's own backward), ``ranks[r].wait_ms`` (its waits on the others), ``slowest``; the same

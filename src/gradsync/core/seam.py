@@ -40,6 +40,12 @@ class SyncTarget(Protocol):
         (``core/standin.py``); return "replayed", "dropped" or "resynced" (local window dropped)."""
 
 
+    def measure_local_norms(self) -> None:
+        """Carry every rank's local squared gradient norm in each synced backward's report."""
+
+    def sync_report(self) -> Any:
+        """The latest synced backward's report (``core/telemetry.py``), the same on every rank."""
+
     def advance_counters(self, micro_steps: int) -> None:
         """Count ``micro_steps`` this rank does not run in a window where others run more (uneven plans)."""
 

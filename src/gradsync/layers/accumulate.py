@@ -24,6 +24,7 @@ from ..core._torch import foreach_mul_
 from ..core.control import SyncError
 from ..core.seam import SyncTarget
 from .elastic_join import at_boundary
+from .noise import NoiseScale
 from .normalize import ITEMS, MEAN, TAG, as_count, check_kinds, is_mean, window_factor, without_failed
 from .skips import SkipMicroStep, check_skip_on, exchange_records, reason_of, skippable
 from .window import WindowOptimizer, WindowScheduler
@@ -40,7 +41,7 @@ class GradientAccumulator(Windows):
     """
 
     def __init__(self, model: nn.Module, steps: int, sync_each_batch: bool = False, *,
-                 skip_on: Any = (), skip_nonfinite: bool = False):
+                 skip_on: Any = (), skip_nonfinite: bool = False, noise_scale: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError(f"gradsync: GradientAccumulator needs an nn.Module, got {type(model).__name__}")
         super().__init__(steps, sync_each_batch, _device_of(model))
@@ -64,6 +65,15 @@ class GradientAccumulator(Windows):
         self.wrapped_optimizers: list[Any] = []  # sent to a replica that joins (elastic_join.py)
         self.wrapped_schedulers: list[Any] = []
         self._boundary_done = -1  # the window boundary at_window_start() last ran at
+        # the gradient noise scale (noise.py) and the window's gradient norm
+        self._noise = NoiseScale() if noise_scale else None
+        if noise_scale and self._target is not None:
+            if getattr(model, "sharded", False):
+                raise ValueError("gradsync: noise_scale=True needs every rank's whole window gradient, which "
+                                 "ShardedDataParallel does not keep; use DistributedDataParallel")
+            self._target.measure_local_norms()
+        self._first: tuple[float, float] | None = None  # one rank: the window's first micro-step (|G|^2, batch)
+        self._grad_norm: float | None = None
         self._started = False  # this micro-step's backward began
         self._pending_carry: Any = None  # the reader of what this micro-step's backward carries
         self._mark: Any = None
@@ -90,6 +100,7 @@ class GradientAccumulator(Windows):
         if self._boundary:
             self.at_window_start()
             self._start_window()
+            self._grad_norm, self._first = None, None
             if self._short_by and self._target is not None:
                 self._target.advance_counters(self._short_by)
         self._position += 1
@@ -151,6 +162,7 @@ class GradientAccumulator(Windows):
             (loss * self._weights[self._position - 1]).backward()
         else:
             (loss / self._scale_len).backward()
+        self._note_first(self._scale_len, 1.0)
         self._ran_here(unit)
         if self._boundary:
             self._close(carried)
@@ -169,6 +181,7 @@ class GradientAccumulator(Windows):
             work = (dist.all_reduce(total, group=self._group, async_op=True), total)
         self._started = True
         loss.backward()
+        self._note_first(1.0 / float(count), float(count))
         self._items = items
         self._ran_here(unit)
         if self._boundary:
@@ -218,6 +231,55 @@ class GradientAccumulator(Windows):
                           UserWarning, stacklevel=4)
             return
         self._scale(factor)
+        if self._noise is not None:
+            self._observe_noise(rows)
+
+    # ---------------------------------------------------------------- noise scale and gradient norm
+    @property
+    def noise_scale(self) -> float | None:
+        """B_simple = tr(Sigma) / |G|^2 (noise.py), in items (num_items) or micro-batches, over every
+        window so far; the same on every rank. None until a window gave an estimate (or noise_scale=False)."""
+        return None if self._noise is None else self._noise.value
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The closed window's global gradient norm (as ``clip_grad_norm_`` computes it); read it after the
+        window's optimizer step and before ``zero_grad()``. None inside a window."""
+        if self._grad_norm is None and self._boundary and not self._active and self.windows:
+            self._grad_norm = self._norm2() ** 0.5
+        return self._grad_norm
+
+    def _norm2(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) ** 2)
+
+    def _note_first(self, scale: float, batch: float) -> None:
+        """One rank: the window's first micro-step is the small batch (its gradient alone is in .grad now)."""
+        if self._noise is not None and self._position == 1 and self._world_size == 1 and self._weights is None:
+            self._first = (self._norm2() * scale ** 2, batch)
+
+    def _observe_noise(self, rows: dict[int, tuple[float, ...]]) -> None:
+        big2 = self._norm2()
+        self._grad_norm = big2 ** 0.5
+        if self._weights is not None:
+            return  # a split() window weights rows, not micro-batches: no estimate
+        items = self._kind == ITEMS
+        if self._world_size > 1 and self._target is not None:
+            report, small = self._target.sync_report(), []
+            for r, row in rows.items():
+                mine = report.ranks.get(r) if report is not None else None
+                batch = row[1] if items else row[2]
+                if mine is not None and mine.local_norm2 is not None and batch > 0:
+                    small.append((mine.local_norm2 * ((1 / batch) if items else (self._scale_len / batch)) ** 2, batch))
+            big = sum(b for _, b in small)
+        else:
+            small = [self._first] if self._first is not None else []
+            big = float(self._items) if items else float(self._units)
+        estimate = self._noise.estimate(small, big2, big)
+        if estimate is not None:
+            self._noise.add(*estimate)
 
     def _gather_skips(self, rows: dict[int, tuple[float, ...]]) -> list[tuple[int, int, str]]:
         if not any(row[3] for row in rows.values()):

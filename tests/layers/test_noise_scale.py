@@ -1,0 +1,87 @@
+"""GradientAccumulator(noise_scale=True) against an analytic case, and acc.grad_norm against torch.
+
+Linear regression at a fixed point w = 0 with y = x . w* + eps, x ~ N(0, I_d), eps ~ N(0, 1): the
+per-item gradient (x . w - y) x has mean G = w - w* =: delta and covariance
+Sigma = (|delta|^2 + 1) I + delta delta^T, so B_simple = tr(Sigma) / |G|^2 = (d (|delta|^2 + 1) + |delta|^2) / |delta|^2
+items: 9 for d = 4, |delta| = 1. A micro-batch mean over m items has 1/m of that covariance.
+"""
+import pytest
+import torch
+
+import gradsync
+from helpers import run_ranks
+
+D, WSTAR, TRUE_ITEMS = 4, torch.tensor([1.0, 0.0, 0.0, 0.0]), 9.0
+
+
+def regression(rank, world_size, windows, steps, items, rows):
+    model = torch.nn.Linear(D, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)  # the fixed point: the optimizer never steps
+    if world_size > 1:
+        model = gradsync.DistributedDataParallel(model)
+    acc = gradsync.GradientAccumulator(model, steps=steps, noise_scale=True)
+    g = torch.Generator().manual_seed(1000 + rank)
+    for _ in range(windows):
+        for _ in range(steps):
+            with acc.accumulate():
+                x = torch.randn(rows, D, generator=g)
+                y = x @ WSTAR + torch.randn(rows, generator=g)
+                err = model(x).squeeze(1) - y
+                if items:
+                    acc.backward(0.5 * err.square().sum(), num_items=rows)
+                else:
+                    acc.backward(0.5 * err.square().mean())
+        model.zero_grad()
+    return acc.noise_scale
+
+
+@pytest.mark.parametrize("items", [True, False], ids=["num_items", "mean"])
+def test_noise_scale_matches_the_analytic_value_on_three_ranks(items):
+    # uneven item counts (3, 4, 5 rows a micro-step) with num_items; equal rows for mean losses
+    results = [run_ranks(regression, 3, 1000, 2, items, 4, timeout=240)] if not items else None
+    if items:
+        def uneven(rank, world_size):
+            return regression(rank, world_size, 1000, 2, True, 3 + rank)
+        results = [run_ranks(uneven, 3, timeout=240)]
+    values = results[0]
+    assert len(set(values)) == 1  # the same value on every rank
+    true = TRUE_ITEMS if items else TRUE_ITEMS / 4  # in items, or in micro-batches of 4 items
+    assert abs(values[0] - true) / true < 0.15, values[0]
+
+
+def test_noise_scale_on_one_rank_from_micro_steps():
+    value = regression(0, 1, 3000, 4, False, 4)
+    assert abs(value - TRUE_ITEMS / 4) / (TRUE_ITEMS / 4) < 0.15, value
+
+
+def grad_norms(rank, world_size):
+    torch.manual_seed(0)
+    model = gradsync.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(),
+                                                                 torch.nn.Linear(16, 4)))
+    acc = gradsync.GradientAccumulator(model, steps=3)
+    optimizer = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    g, out = torch.Generator().manual_seed(rank), []
+    for _ in range(4):
+        for _ in range(3):
+            with acc.accumulate():
+                inside = acc.grad_norm
+                acc.backward(model(torch.randn(5, 8, generator=g)).square().mean())
+        optimizer.step()
+        theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))
+        out.append((acc.grad_norm, float(theirs), inside))
+        optimizer.zero_grad()
+    return out
+
+
+def test_grad_norm_is_clip_grad_norms_of_the_synced_gradients():
+    for rows in run_ranks(grad_norms, 2):
+        for mine, theirs, inside in rows:
+            assert inside is None and mine == pytest.approx(theirs, rel=1e-6)
+
+
+def test_noise_scale_is_refused_with_sharded_gradients():
+    def fn(rank, world_size):
+        model = gradsync.ShardedDataParallel(torch.nn.Linear(4, 4))
+        with pytest.raises(ValueError, match="noise_scale=True needs every rank's whole window gradient"):
+            gradsync.GradientAccumulator(model, steps=2, noise_scale=True)
+    run_ranks(fn, 2)
