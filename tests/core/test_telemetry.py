@@ -101,3 +101,40 @@ def test_sync_report_is_none_before_the_first_synced_backward():
         return before, local, model.sync_report().slowest in (0, 1), model.reducer.stragglers
     for before, local, named, stragglers in run_ranks(fn, 2):
         assert before is None and local is None and named and stragglers is None
+
+
+def traced(rank, world_size, path):
+    model = gradsync.DistributedDataParallel(mlp(), bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4,
+                                             straggler_warning=False)
+    model.enable_comm_trace()
+    for _ in range(3):
+        loss = model(torch.ones(4, 8)).square().mean()
+        if rank == 1:
+            loss.register_hook(lambda grad: time.sleep(0.1) or grad)
+        loss.backward()
+    model.export_trace(path)
+    return len(model.reducer.buckets)
+
+
+def test_export_trace_draws_every_rank_in_one_file(tmp_path):
+    import json
+    path = tmp_path / "trace.json"
+    (buckets, _) = run_ranks(traced, 2, str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        assert sum(e["name"].startswith("bucket") for e in mine) == 3 * buckets
+        work = [e for e in mine if e["name"] == "own work"]
+        waits = [e for e in mine if e["name"] == "waiting on the others"]
+        assert len(work) == len(waits) == 3
+        assert all((e["dur"] >= 90_000) == (rank == 1) for e in work)  # rank 1's 100 ms sleep, in microseconds
+    ends = {e["pid"]: e["ts"] + e["dur"] for e in spans if e["name"] == "waiting on the others"}
+    assert abs(ends[0] - ends[1]) < 1.0  # aligned on the end of each synced backward
+
+
+def test_export_trace_without_a_trace_says_what_to_call():
+    def fn(rank, world_size):
+        with pytest.raises(RuntimeError, match="enable_comm_trace"):
+            gradsync.DistributedDataParallel(mlp()).export_trace("unused.json")
+    run_ranks(fn, 2)

@@ -18,6 +18,7 @@ def test_demo_trains_matches_one_process_and_plots(tmp_path, capfd):
     worst = float(re.search(r"one process on the global batches: ([0-9.e+-]+)", out).group(1))
     assert worst < 1e-6
     assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert '"traceEvents"' in (tmp_path / "trace.json").read_text() and "comm trace" in out
 
 
 def test_demo_rejects_windows_that_do_not_divide_the_data():

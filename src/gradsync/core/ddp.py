@@ -5,6 +5,7 @@ Construction checks and torch's constructor options are resolved in ``construct.
 from __future__ import annotations
 
 import contextlib
+import json
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +34,7 @@ from .reducer import Reducer
 from . import membership, standin
 from .snapshot import parameters_swapped, snapshot
 from .standin import Mark
+from .telemetry import chrome_trace
 from .torch_extras import TorchDDPExtras
 
 
@@ -329,6 +331,18 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         (max over ranks; ``core/autocap.py``). None before the choice or without ``"auto"``."""
         auto = self.reducer.auto_caps
         return None if auto is None or auto.choice is None else auto.choice.as_dict()
+
+    def export_trace(self, path: str) -> None:
+        """Write every rank's comm trace (``enable_comm_trace()``) to ``path`` as one Chrome trace /
+        Perfetto JSON (``core/telemetry.py``). A collective: call it on every rank; rank 0 writes."""
+        if self.reducer.trace is None:
+            raise RuntimeError("gradsync: export_trace() draws the comm trace: call model.enable_comm_trace() "
+                               "before the synced backwards you want to see")
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, self.reducer.trace, group=self.process_group)
+        if dist.get_rank(self.process_group) == 0:
+            with open(path, "w") as f:
+                json.dump(chrome_trace(everyone), f)
 
     def measure_local_norms(self) -> None:
         """From now on each synced backward's report carries every rank's local squared gradient norm."""

@@ -452,6 +452,8 @@ class Reducer:
 
     def _record_trace(self, record: dict) -> None:
         record["backward_end"] = time.perf_counter()
+        if self.last_report is not None:  # every rank's own work and waits (export_trace draws them)
+            record["ranks"] = {r: (v.compute_ms, v.wait_ms) for r, v in self.last_report.ranks.items()}
         for b in self.store.buckets:
             record["buckets"].append({"index": b.index, "bytes": self.store.nbytes(b), **b.times})
         self.trace.append(record)

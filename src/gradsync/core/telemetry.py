@@ -88,4 +88,36 @@ class Stragglers:
         return None
 
 
-__all__ = ["RankSync", "Stragglers", "SyncReport", "read_report"]
+def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
+    """Every rank's comm trace as one Chrome trace (``chrome://tracing``, Perfetto): a process per rank
+    with a row for the synced backward split into its own work and its waits, and a row for the buckets
+    (launched to reduced). Ranks' clocks differ, so each synced backward is aligned on its end, which
+    every rank reaches together (the reduction completes everywhere at once)."""
+    events = []
+    for rank, records in enumerate(records_by_rank):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for tid, name in ((0, "backward: own work / waits"), (1, "buckets: launched to reduced")):
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
+    for i, anchor in enumerate(records_by_rank[0]):
+        for rank, records in enumerate(records_by_rank):
+            if i >= len(records):
+                continue
+            rec = records[i]
+            shift = anchor["backward_end"] - rec["backward_end"]
+            us = lambda t: round((t + shift) * 1e6, 1)  # noqa: E731
+            end = us(rec["backward_end"])
+            compute_ms, wait_ms = rec.get("ranks", {}).get(rank, (None, None))
+            if compute_ms is not None:
+                events.append({"ph": "X", "pid": rank, "tid": 0, "name": "own work", "ts": end - (compute_ms + wait_ms) * 1e3,
+                               "dur": compute_ms * 1e3, "args": {"synced backward": rec["iteration"]}})
+                events.append({"ph": "X", "pid": rank, "tid": 0, "name": "waiting on the others",
+                               "ts": end - wait_ms * 1e3, "dur": wait_ms * 1e3, "args": {"synced backward": rec["iteration"]}})
+            for b in rec["buckets"]:
+                if "launch" in b and "done" in b:
+                    events.append({"ph": "X", "pid": rank, "tid": 1, "name": f"bucket {b['index']}",
+                                   "ts": us(b["launch"]), "dur": round((b["done"] - b["launch"]) * 1e6, 1),
+                                   "args": {"bytes": b["bytes"], "ready_us": us(b.get("ready", b["launch"]))}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+__all__ = ["RankSync", "Stragglers", "SyncReport", "chrome_trace", "read_report"]

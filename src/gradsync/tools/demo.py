@@ -97,6 +97,7 @@ def train(rank: int, world_size: int, args) -> dict:
     """Train on this rank's rows of every global micro-batch; return rank 0's record."""
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if args.backend == "nccl" else None
     model, opt = build(args, rank, device)
+    model.enable_comm_trace()  # every synced backward's buckets, drawn at the end (export_trace)
     use_accumulator = args.sync_each_batch or args.sharded
     if use_accumulator:
         acc = gradsync.GradientAccumulator(model, steps=args.accum, sync_each_batch=args.sync_each_batch)
@@ -142,6 +143,8 @@ def train(rank: int, world_size: int, args) -> dict:
         bar.set_postfix(loss=f"{losses[-1]:.3f}", test_acc=f"{accs[-1]:.3f}")
         bar.close()
     seconds = time.perf_counter() - start
+    os.makedirs(args.out, exist_ok=True)
+    model.export_trace(os.path.join(args.out, "trace.json"))  # every rank takes part; rank 0 writes
     grad_bytes = sum(p.numel() * p.element_size() for p in model.module.parameters())
     final = {n: p.detach().cpu().clone() for n, p in model.module.named_parameters()}
     return {"params": final, "losses": losses, "accuracy": accs, "seconds": seconds, "synced": synced,
@@ -178,6 +181,8 @@ def summarize(result: dict, args) -> float:
     reference = single_process(args)
     worst = max((result["params"][n] - p).abs().max().item() for n, p in reference.items())
     print(f"  equivalence     max |parameter difference| vs one process on the global batches: {worst:.2e}")
+    print(f"  comm trace      {os.path.join(args.out, 'trace.json')} (every rank's buckets, own work and waits: "
+          "open it in chrome://tracing or ui.perfetto.dev)")
     plot(result, args)
     if worst > args.tolerance:
         raise SystemExit(f"equivalence check FAILED (tolerance {args.tolerance:g})")
