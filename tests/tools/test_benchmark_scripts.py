@@ -159,3 +159,11 @@ def test_elastic_recovery_quick_run(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads((tmp_path / "er.json").read_text())
     assert len(data["kills"]) == 2 and all(k["latency_s"] < 30 for k in data["kills"])
+
+
+def test_noise_scale_cost_quick_run(tmp_path):
+    done = elastic_script(tmp_path, "noise_scale_cost.py", "--reps", "2", "--warmup", "0", "--runs", "1",
+                          "--accum", "2", "--width", "64", "--stem", "ns")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = json.loads((tmp_path / "ns.json").read_text())
+    assert set(run["median_ms"]) == {"off", "off-again", "noise_scale"} and len(run["noise_ratios"]) == 2
