@@ -162,7 +162,7 @@ class GradientAccumulator(Windows):
             (loss * self._weights[self._position - 1]).backward()
         else:
             (loss / self._scale_len).backward()
-        self._note_first(self._scale_len, 1.0)
+        self._note_first(None)
         self._ran_here(unit)
         if self._boundary:
             self._close(carried)
@@ -181,7 +181,7 @@ class GradientAccumulator(Windows):
             work = (dist.all_reduce(total, group=self._group, async_op=True), total)
         self._started = True
         loss.backward()
-        self._note_first(1.0 / float(count), float(count))
+        self._note_first(count)
         self._items = items
         self._ran_here(unit)
         if self._boundary:
@@ -255,9 +255,14 @@ class GradientAccumulator(Windows):
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) ** 2)
 
-    def _note_first(self, scale: float, batch: float) -> None:
-        """One rank: the window's first micro-step is the small batch (its gradient alone is in .grad now)."""
-        if self._noise is not None and self._position == 1 and self._world_size == 1 and self._weights is None:
+    def _note_first(self, count: Any) -> None:
+        """One rank: the window's first micro-step is the small batch (its gradient alone is in .grad now);
+        ``count``: its item count (num_items), or None for a mean loss (one micro-batch, scaled 1/scale_len)."""
+        if self._noise is None or self._position != 1 or self._world_size != 1 or self._weights is not None:
+            return
+        batch = 1.0 if count is None else float(count)
+        if batch > 0:
+            scale = self._scale_len if count is None else 1.0 / batch
             self._first = (self._norm2() * scale ** 2, batch)
 
     def _observe_noise(self, rows: dict[int, tuple[float, ...]]) -> None:

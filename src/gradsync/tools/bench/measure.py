@@ -18,6 +18,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from gradsync.core.telemetry import chrome_trace
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .breakdown import breakdown
@@ -182,6 +184,9 @@ def communication(rank, world, spec, engines, accum, cap, windows: int = 2) -> d
                     _window(engine, spec, rank, w, accum)
             if name == "gradsync":
                 out["trace"] = list(trace)
+                everyone: list = [None] * world  # every rank's, for the Chrome trace file (run.py writes it)
+                dist.all_gather_object(everyone, out["trace"])
+                out["chrome_trace"] = chrome_trace(everyone)
                 engine.model.reducer.disable_trace()
         by_kind: dict[str, float] = defaultdict(float)
         wire = 0.0
