@@ -15,7 +15,9 @@ from typing import Any, Protocol
 
 import torch.distributed as dist
 
+from . import guard
 from .control import SyncError
+from .header import BACKWARD
 
 
 class PeerFailure(SyncError):
@@ -89,4 +91,52 @@ def follow(ddp: Any, membership: Membership) -> None:
     r.on_regroup = on_regroup
 
 
-__all__ = ["Membership", "PeerFailure", "current", "follow", "install", "refusals"]
+# ---------------------------------------------------------------- the reducer's elastic transitions
+def finish_sync(reducer: Any, failed: int) -> tuple:
+    """Reduce and vote; after a failure or a vote that is not unanimous, re-form and reduce again.
+    Return what ``Reducer._complete`` writes back."""
+    while True:
+        failure = reducer.broken
+        if failure is None:
+            try:
+                reduced = reducer._reduce(failed)
+                if reducer.membership.commit(reducer.counters.sync):
+                    return reduced
+                failure = PeerFailure(f"gradsync: a member did not finish synced backward {reducer.counters.sync}")
+            except PeerFailure as exc:
+                failure = exc
+        restart_sync(reducer, failure)
+
+
+def restart_sync(reducer: Any, failure: BaseException) -> None:
+    """Agree on the survivors, take their new group, and start this synced backward again in it
+    from this rank's own window (``.grad``, which no failed reduction touched)."""
+    reducer.break_group(failure)
+    window = reducer.window_source() if reducer.window_source is not None else None
+    reducer.regroup(reducer.membership.reform(failure, reducer.counters.sync, window))
+    reducer.broken = None
+    it, n = reducer.it, len(reducer.params)
+    it.norm2 = None  # measured again as the buckets launch again
+    if it.hooked is None:  # the group broke before this backward's end: its hooks so far are all it had
+        it.hooked = list(it.ready)
+    it.ready, it.hook_counts, it.next_launch = [False] * n, [0] * n, 0
+    for b in reducer.store.buckets:
+        b.pending, b.handle = len(b.members), None
+    reducer.launcher.reset()
+    reducer.plane.launch_header(BACKWARD)  # carries the same values as the failed one
+
+
+def regroup(reducer: Any, group: dist.ProcessGroup) -> None:
+    """Point the reducer's parts (and, through ``on_regroup``, its wrapper) at ``group``."""
+    reducer.group, reducer.rank, reducer.world_size = group, dist.get_rank(group), dist.get_world_size(group)
+    reducer.plane.regroup(group, reducer.rank, reducer.world_size)
+    reducer.launcher.group = reducer.layout.group = group
+    reducer.store.world_size = reducer.world_size
+    if reducer.world_size > 1:
+        guard.install(reducer)  # a replica that joined was built on a group of its own
+    if reducer.on_regroup is not None:
+        reducer.on_regroup(group)
+
+
+__all__ = ["Membership", "PeerFailure", "current", "finish_sync", "follow", "install", "refusals", "regroup",
+           "restart_sync"]

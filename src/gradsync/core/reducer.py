@@ -26,12 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import guard, messages, standin
+from . import guard, membership, messages, standin
 from ._torch import in_compiled_autograd, queue_end_of_backward
 from .autocap import AutoCaps
 from .config import ReducerConfig
-from .control import (check_agreement, check_finite, check_missing, control_tensor, failed_ranks, telemetry,
-                      used_counts)
+from .control import check_agreement, check_finite, check_missing, control_tensor, failed_ranks, used_counts
 from .graph import Expected
 from .header import BACKWARD
 from .launcher import BucketLauncher
@@ -39,7 +38,7 @@ from .layout import Layout
 from .membership import PeerFailure
 from .plane import ControlPlane, Counters
 from .store import BucketStore
-from .telemetry import Stragglers, SyncReport, read_report
+from .telemetry import Stragglers, SyncReport, local_norm2, record_report
 
 
 @dataclass
@@ -298,23 +297,9 @@ class Reducer:
             self.it.in_backward = self.it.syncing = False
 
     def _finish_sync(self, failed: int = 0) -> None:
-        if self.membership is None:
-            self._complete(*self._reduce(failed))
-            return
-        # elastic: nothing is written back before every member voted that it holds the reduction;
-        # otherwise the survivors re-form and reduce their own windows again (.grad is untouched)
-        while True:
-            failure = self.broken
-            if failure is None:
-                try:
-                    reduced = self._reduce(failed)
-                    if self.membership.commit(self.counters.sync):
-                        break
-                    failure = PeerFailure(f"gradsync: a member did not finish synced backward {self.counters.sync}")
-                except PeerFailure as exc:
-                    failure = exc
-            self._reform(failure)
-        self._complete(*reduced)
+        # elastic (membership.py): nothing is written back before every member voted that it holds the
+        # reduction; otherwise the survivors re-form and reduce their own windows again
+        self._complete(*(self._reduce(failed) if self.membership is None else membership.finish_sync(self, failed)))
 
     def _reduce(self, failed: int) -> tuple[list[Any] | None, list[int], dict | None]:
         """Launch what is left, wait for every bucket and the control, run the checks; return the
@@ -351,14 +336,14 @@ class Reducer:
         self.launcher.before_control([b.handle for b in store.buckets])
         # its own work, and every wait on the others: in its hooks (the header) and after its last gradient
         times = ((ready - self._forward_end - it.hook_wait) * 1e6, (time.perf_counter() - ready + it.hook_wait) * 1e6)
-        norm2 = self._local_norm2() if self.measure_norm else None
+        norm2 = local_norm2(self) if self.measure_norm else None
         control = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed,
                                  (max(times[0], 0), times[1]), norm2)
         self.plane.wait(self.plane.launch_control(control), "the end-of-backward check")
         control = control.cpu()  # read once: every check below indexes it
         active = self.plane.active()
         check_agreement(control, rank=self.rank, world_size=self.world_size, n=n, active=active, sync_count=c.sync)
-        self._report(control, active)
+        record_report(self, control, active)
         counts = used_counts(control, self.world_size, n)
         flags = failed_ranks(control, self.world_size, n)
         self.failed_ranks = sorted(flags)
@@ -385,18 +370,6 @@ class Reducer:
         c.sync += 1
         self.layout.after_sync(record)  # re-plans once from the observed order; "auto" times it
 
-    # ---------------------------------------------------------------- telemetry (telemetry.py)
-    def _local_norm2(self) -> torch.Tensor:
-        """This rank's window gradient's squared norm, from what its buckets received."""
-        total = self.it.norm2 if self.it.norm2 is not None else torch.zeros((), device=self.device)
-        return total * self.world_size ** 2 if self.launcher.divides_on_copy else total
-
-    def _report(self, control: torch.Tensor, active: list[int]) -> None:
-        values, norms = telemetry(control, self.world_size, len(self.params))
-        self.last_report = read_report(values, norms, active, self.counters.sync, self.measure_norm)
-        if self.stragglers is not None:
-            self.stragglers.observe(self.last_report)
-
     # ---------------------------------------------------------------- elastic membership (membership.py)
     def break_group(self, failure: BaseException) -> None:
         """Stop using the group until this window's synced backward re-forms it; tell the others."""
@@ -405,33 +378,9 @@ class Reducer:
             self.plane.drop_header()
             self.membership.broken(failure)
 
-    def _reform(self, failure: BaseException) -> None:
-        """Agree on the survivors, take their new group, and start this synced backward again in it
-        from this rank's own window (``.grad``, which no failed reduction touched)."""
-        self.break_group(failure)
-        window = self.window_source() if self.window_source is not None else None
-        self.regroup(self.membership.reform(failure, self.counters.sync, window))
-        self.broken = None
-        it, n = self.it, len(self.params)
-        it.norm2 = None  # measured again as the buckets launch again
-        if it.hooked is None:  # the group broke before this backward's end: its hooks so far are all it had
-            it.hooked = list(it.ready)
-        it.ready, it.hook_counts, it.next_launch = [False] * n, [0] * n, 0
-        for b in self.store.buckets:
-            b.pending, b.handle = len(b.members), None
-        self.launcher.reset()
-        self.plane.launch_header(BACKWARD)  # carries the same values as the failed one
-
     def regroup(self, group: dist.ProcessGroup) -> None:
-        """Reduce over ``group`` from now on (the survivors' new group)."""
-        self.group, self.rank, self.world_size = group, dist.get_rank(group), dist.get_world_size(group)
-        self.plane.regroup(group, self.rank, self.world_size)
-        self.launcher.group = self.layout.group = group
-        self.store.world_size = self.world_size
-        if self.world_size > 1:
-            guard.install(self)  # a replica that joined was built on a group of its own
-        if self.on_regroup is not None:
-            self.on_regroup(group)
+        """Reduce over ``group`` from now on (the survivors' new group, or a joiner's first)."""
+        membership.regroup(self, group)
 
     def after_shadowed_sync(self) -> None:
         """A joined rank took part in the active ranks' synced backward (``join.py``)."""

@@ -13,8 +13,11 @@ import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from .control import telemetry as control_slots
 
 log = logging.getLogger("gradsync")
 
@@ -88,6 +91,20 @@ class Stragglers:
         return None
 
 
+def local_norm2(reducer: Any) -> torch.Tensor:
+    """The reducer's window gradient's squared norm, from what its buckets received (undone /W)."""
+    total = reducer.it.norm2 if reducer.it.norm2 is not None else torch.zeros((), device=reducer.device)
+    return total * reducer.world_size ** 2 if reducer.launcher.divides_on_copy else total
+
+
+def record_report(reducer: Any, control: torch.Tensor, active: list[int]) -> None:
+    """Read the reduced control's telemetry into ``reducer.last_report``; watch for a straggler."""
+    values, norms = control_slots(control, reducer.world_size, len(reducer.params))
+    reducer.last_report = read_report(values, norms, active, reducer.counters.sync, reducer.measure_norm)
+    if reducer.stragglers is not None:
+        reducer.stragglers.observe(reducer.last_report)
+
+
 def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
     """Every rank's comm trace as one Chrome trace (``chrome://tracing``, Perfetto): a process per rank
     with a row for the synced backward split into its own work and its waits, and a row for the buckets
@@ -120,4 +137,4 @@ def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["RankSync", "Stragglers", "SyncReport", "chrome_trace", "read_report"]
+__all__ = ["RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "read_report", "record_report"]
