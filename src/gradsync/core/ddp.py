@@ -5,7 +5,6 @@ Construction checks and torch's constructor options are resolved in ``construct.
 from __future__ import annotations
 
 import contextlib
-import json
 import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -34,11 +33,11 @@ from .reducer import Reducer
 from . import membership, standin
 from .snapshot import parameters_swapped, snapshot
 from .standin import Mark
-from .telemetry import chrome_trace
+from .telemetry import ReportMethods
 from .torch_extras import TorchDDPExtras
 
 
-class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
+class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable):
     """Data parallelism with bucketed, backward-overlapped gradient averaging.
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (torch 2.13): the same constructor
@@ -331,28 +330,6 @@ class DistributedDataParallel(TorchDDPExtras, nn.Module, Joinable):
         (max over ranks; ``core/autocap.py``). None before the choice or without ``"auto"``."""
         auto = self.reducer.auto_caps
         return None if auto is None or auto.choice is None else auto.choice.as_dict()
-
-    def export_trace(self, path: str) -> None:
-        """Write every rank's comm trace (``enable_comm_trace()``) to ``path`` as one Chrome trace /
-        Perfetto JSON (``core/telemetry.py``). A collective: call it on every rank; rank 0 writes."""
-        if self.reducer.trace is None:
-            raise RuntimeError("gradsync: export_trace() draws the comm trace: call model.enable_comm_trace() "
-                               "before the synced backwards you want to see")
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, self.reducer.trace, group=self.process_group)
-        if dist.get_rank(self.process_group) == 0:
-            with open(path, "w") as f:
-                json.dump(chrome_trace(everyone), f)
-
-    def measure_local_norms(self) -> None:
-        """From now on each synced backward's report carries every rank's local squared gradient norm."""
-        self.reducer.measure_norm = True
-
-    def sync_report(self) -> Any:
-        """The latest synced backward as every rank saw it (``core/telemetry.py``): ``ranks[r].compute_ms``
-        (rank r's own backward), ``ranks[r].wait_ms`` (its waits on the others), ``slowest``; the same
-        on every rank; None before the first synced backward."""
-        return self.reducer.last_report
 
     def wait(self, handle: Any, what: str) -> None:
         """Wait for a collective's Work or future, bounded by ``timeout``, naming ``what`` if it fails."""

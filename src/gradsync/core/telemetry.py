@@ -9,6 +9,7 @@ asked (``GradientAccumulator(noise_scale=True)``), into its own slots of the end
 """
 from __future__ import annotations
 
+import json
 import logging
 import statistics
 from collections import deque
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from .control import telemetry as control_slots
 
@@ -137,4 +139,30 @@ def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "read_report", "record_report"]
+class ReportMethods:
+    """The wrapper's methods over the reducer's report and trace (a mixin of ``DistributedDataParallel``)."""
+
+    def export_trace(self, path: str) -> None:
+        """Write every rank's comm trace (``enable_comm_trace()``) to ``path`` as one Chrome trace /
+        Perfetto JSON (``core/telemetry.py``). A collective: call it on every rank; rank 0 writes."""
+        if self.reducer.trace is None:
+            raise RuntimeError("gradsync: export_trace() draws the comm trace: call model.enable_comm_trace() "
+                               "before the synced backwards you want to see")
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, self.reducer.trace, group=self.process_group)
+        if dist.get_rank(self.process_group) == 0:
+            with open(path, "w") as f:
+                json.dump(chrome_trace(everyone), f)
+
+    def measure_local_norms(self) -> None:
+        """From now on each synced backward's report carries every rank's local squared gradient norm."""
+        self.reducer.measure_norm = True
+
+    def sync_report(self) -> Any:
+        """The latest synced backward as every rank saw it (``core/telemetry.py``): ``ranks[r].compute_ms``
+        (rank r's own backward), ``ranks[r].wait_ms`` (its waits on the others), ``slowest``; the same
+        on every rank; None before the first synced backward."""
+        return self.reducer.last_report
+
+
+__all__ = ["ReportMethods", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "read_report", "record_report"]

@@ -24,7 +24,7 @@ from ..core._torch import foreach_mul_
 from ..core.control import SyncError
 from ..core.seam import SyncTarget
 from .elastic_join import at_boundary
-from .noise import NoiseScale
+from .noise import NoiseEstimates, NoiseScale
 from .normalize import ITEMS, MEAN, TAG, as_count, check_kinds, is_mean, window_factor, without_failed
 from .skips import SkipMicroStep, check_skip_on, exchange_records, reason_of, skippable
 from .window import WindowOptimizer, WindowScheduler
@@ -32,7 +32,7 @@ from .windows import Windows
 
 
 
-class GradientAccumulator(Windows):
+class GradientAccumulator(NoiseEstimates, Windows):
     """Accumulate gradients over windows of ``steps`` micro-steps, communicating once per window.
 
     Inside a window the model runs without communication; the micro-step that closes it syncs
@@ -233,58 +233,6 @@ class GradientAccumulator(Windows):
         self._scale(factor)
         if self._noise is not None:
             self._observe_noise(rows)
-
-    # ---------------------------------------------------------------- noise scale and gradient norm
-    @property
-    def noise_scale(self) -> float | None:
-        """B_simple = tr(Sigma) / |G|^2 (noise.py), in items (num_items) or micro-batches, over every
-        window so far; the same on every rank. None until a window gave an estimate (or noise_scale=False)."""
-        return None if self._noise is None else self._noise.value
-
-    @property
-    def grad_norm(self) -> float | None:
-        """The closed window's global gradient norm (as ``clip_grad_norm_`` computes it); read it after the
-        window's optimizer step and before ``zero_grad()``. None inside a window."""
-        if self._grad_norm is None and self._boundary and not self._active and self.windows:
-            self._grad_norm = self._norm2() ** 0.5
-        return self._grad_norm
-
-    def _norm2(self) -> float:
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) ** 2)
-
-    def _note_first(self, count: Any) -> None:
-        """One rank: the window's first micro-step is the small batch (its gradient alone is in .grad now);
-        ``count``: its item count (num_items), or None for a mean loss (one micro-batch, scaled 1/scale_len)."""
-        if self._noise is None or self._position != 1 or self._world_size != 1 or self._weights is not None:
-            return
-        batch = 1.0 if count is None else float(count)
-        if batch > 0:
-            scale = self._scale_len if count is None else 1.0 / batch
-            self._first = (self._norm2() * scale ** 2, batch)
-
-    def _observe_noise(self, rows: dict[int, tuple[float, ...]]) -> None:
-        big2 = self._norm2()
-        self._grad_norm = big2 ** 0.5
-        if self._weights is not None:
-            return  # a split() window weights rows, not micro-batches: no estimate
-        items = self._kind == ITEMS
-        if self._world_size > 1 and self._target is not None:
-            report, small = self._target.sync_report(), []
-            for r, row in rows.items():
-                mine = report.ranks.get(r) if report is not None else None
-                batch = row[1] if items else row[2]
-                if mine is not None and mine.local_norm2 is not None and batch > 0:
-                    small.append((mine.local_norm2 * ((1 / batch) if items else (self._scale_len / batch)) ** 2, batch))
-            big = sum(b for _, b in small)
-        else:
-            small = [self._first] if self._first is not None else []
-            big = float(self._items) if items else float(self._units)
-        estimate = self._noise.estimate(small, big2, big)
-        if estimate is not None:
-            self._noise.add(*estimate)
 
     def _gather_skips(self, rows: dict[int, tuple[float, ...]]) -> list[tuple[int, int, str]]:
         if not any(row[3] for row in rows.values()):

@@ -10,6 +10,12 @@ means of the two terms over every window so far, the same on every rank.
 """
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+
+from .normalize import ITEMS
+
 
 class NoiseScale:
     def __init__(self) -> None:
@@ -36,4 +42,59 @@ class NoiseScale:
         return self.trace_sum / self.norm2_sum if self.windows and self.norm2_sum > 0 else None
 
 
-__all__ = ["NoiseScale"]
+class NoiseEstimates:
+    """The accumulator's noise scale and gradient norm (a mixin of ``GradientAccumulator``)."""
+
+    @property
+    def noise_scale(self) -> float | None:
+        """B_simple = tr(Sigma) / |G|^2 (noise.py), in items (num_items) or micro-batches, over every
+        window so far; the same on every rank. None until a window gave an estimate (or noise_scale=False)."""
+        return None if self._noise is None else self._noise.value
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The closed window's global gradient norm (as ``clip_grad_norm_`` computes it); read it after the
+        window's optimizer step and before ``zero_grad()``. None inside a window."""
+        if self._grad_norm is None and self._boundary and not self._active and self.windows:
+            self._grad_norm = self._norm2() ** 0.5
+        return self._grad_norm
+
+    def _norm2(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) ** 2)
+
+    def _note_first(self, count: Any) -> None:
+        """One rank: the window's first micro-step is the small batch (its gradient alone is in .grad now);
+        ``count``: its item count (num_items), or None for a mean loss (one micro-batch, scaled 1/scale_len)."""
+        if self._noise is None or self._position != 1 or self._world_size != 1 or self._weights is not None:
+            return
+        batch = 1.0 if count is None else float(count)
+        if batch > 0:
+            scale = self._scale_len if count is None else 1.0 / batch
+            self._first = (self._norm2() * scale ** 2, batch)
+
+    def _observe_noise(self, rows: dict[int, tuple[float, ...]]) -> None:
+        big2 = self._norm2()
+        self._grad_norm = big2 ** 0.5
+        if self._weights is not None:
+            return  # a split() window weights rows, not micro-batches: no estimate
+        items = self._kind == ITEMS
+        if self._world_size > 1 and self._target is not None:
+            report, small = self._target.sync_report(), []
+            for r, row in rows.items():
+                mine = report.ranks.get(r) if report is not None else None
+                batch = row[1] if items else row[2]
+                if mine is not None and mine.local_norm2 is not None and batch > 0:
+                    small.append((mine.local_norm2 * ((1 / batch) if items else (self._scale_len / batch)) ** 2, batch))
+            big = sum(b for _, b in small)
+        else:
+            small = [self._first] if self._first is not None else []
+            big = float(self._items) if items else float(self._units)
+        estimate = self._noise.estimate(small, big2, big)
+        if estimate is not None:
+            self._noise.add(*estimate)
+
+
+__all__ = ["NoiseEstimates", "NoiseScale"]
