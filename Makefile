@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 # for tests/compat) depends on torch too, so the pin goes on that pip line as well.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test test-slow bench install clean
+.PHONY: demo test test-gpu test-slow test-torch-next dist bench install clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,12 +23,38 @@ demo: install
 test: install
 	$(PY) -m pytest tests
 
+# on a machine with CUDA: the GPU tests (skipped elsewhere) and the GPU benchmark
+test-gpu: install
+	$(PY) -m pytest tests/gpu -rs
+	$(VENV)/bin/gradsync bench --device cuda
+
 # minutes-long proofs kept out of `make test` (e.g. a rank pausing 3 minutes between steps)
 test-slow: install
 	$(PY) -m pytest tests -m slow -s
+
+# The suite on the newest torch of the tested range (README "Install and torch versions"); not in `make test` or CI.
+# Its own venv: a CUDA build (~5.5 GB, runs on CPU), pinned on every pip line like TORCH_PIN.
+TORCH_NEXT := torch==2.14.1
+VENV_NEXT := .venv-torch-next
+
+$(VENV_NEXT)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install -q $(TORCH_NEXT)
+	$(VENV_NEXT)/bin/python -m pip install -q $(TORCH_NEXT) -e '.[dev,compat]'
+	touch $@
+
+test-torch-next: $(VENV_NEXT)/.installed
+	$(VENV_NEXT)/bin/python -c "import torch; print('torch', torch.__version__)"
+	$(VENV_NEXT)/bin/python -m pytest tests
+
+# sdist and wheel into dist/, checked by twine (--no-isolation: the build env would be downloaded)
+dist: install
+	rm -rf dist
+	$(PY) -m build --no-isolation
+	$(VENV)/bin/twine check --strict dist/*
 
 bench: install
 	$(VENV)/bin/gradsync bench
 
 clean:
-	rm -rf $(VENV) build src/*.egg-info
+	rm -rf $(VENV) $(VENV_NEXT) build dist src/*.egg-info

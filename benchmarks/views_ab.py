@@ -30,7 +30,7 @@ class PreviousViews(GradsyncEngine):
     def wrap(self, module, cap, view):
         model = super().wrap(module, cap, view)
         store, launcher = model.reducer.store, model.reducer.launcher
-        store._adopt_view = lambda i, divide=False: BucketStore._adopt_view(store, i, False)
+        store.copy_in = lambda i, divide: BucketStore.copy_in(store, i, False)
         launch = launcher.launch
 
         def divide_then_launch(bucket, buckets, traced):

@@ -35,6 +35,15 @@ def environment(**extra: str) -> dict[str, str]:
     return env
 
 
+def assert_identical(weights: dict, expected: dict, what: str) -> None:
+    """Every tensor of ``weights`` equals ``expected``'s bit for bit."""
+    import torch
+    assert weights.keys() == expected.keys()
+    for name, value in weights.items():
+        assert torch.equal(value, expected[name]), (
+            f"{what}: {name} differs by {(value - expected[name]).abs().max().item():.3g}")
+
+
 def run_bounded(cmd: list[str], timeout: float, log: Path, **env: str) -> Finished:
     """Run ``cmd`` in a new session; on return every process of that session is gone."""
     with open(log, "wb") as out:

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.core.autocap import (CANDIDATES_MB, ROUNDS, choose, default_cap, distinct_layouts, first_cap,
-                                   syncs_to_choose)
+from gradsync.core.autocap import (CANDIDATES_MB, ROUNDS, TIE, choose, choose_by_link, default_cap, distinct_layouts,
+                                   first_cap, fit_link, param_ready, predict_end, syncs_to_choose)
 from gradsync.core.buckets import MiB, plan_buckets
 from gradsync.tools.launch import run_ranks
 from helpers import assert_close_dicts, batches, grads, mlp, params, shard
@@ -111,7 +111,10 @@ def test_auto_cap_times_each_layout_agrees_and_trains_like_torch(view):
         assert buckets[-1] == chosen["buckets"][chosen["bucket_cap_mb"]]
         assert all(t > 0 for t in chosen["measured_ms"].values())
         assert all(len(t) == ROUNDS for t in chosen["rounds_ms"].values())
-        assert chosen["bucket_cap_mb"] == choose(chosen["rounds_ms"], chosen["default_mb"])
+        if chosen["rule"] == "link model":  # the link took longer than the backward (autocap.LINK_BOUND)
+            assert chosen["bucket_cap_mb"] == choose_by_link(chosen["link"]["predicted_ms"])
+        else:
+            assert chosen["bucket_cap_mb"] == choose(chosen["rounds_ms"], chosen["default_mb"])
         caps.add(chosen["bucket_cap_mb"])
         assert planned and trace is None  # re-planned with the cap; the internal trace is off again
         assert state["bucket_caps"] == [chosen["bucket_cap_mb"], chosen["first_bucket_cap_mb"]]
@@ -214,3 +217,90 @@ def test_ranks_that_joined_early_take_part_in_the_choice(counts):
         assert_close_dicts(got, want, atol=1e-5)
         assert choice is not None and choice["bucket_cap_mb"] == results[0][1]["bucket_cap_mb"]
         assert plan == results[0][2]
+
+
+# ---------------------------------------------------------------- the link model
+def link_record(start, sizes, ready, latency, bandwidth):
+    """A traced synced backward over a link of ``latency`` and ``bandwidth``: buckets launch when ready
+    and take the link one after another."""
+    buckets, end = [], start
+    for k, (size, r) in enumerate(zip(sizes, ready)):
+        launch = start + r
+        end = max(end, launch) + latency + size / bandwidth
+        buckets.append({"index": k, "bytes": size, "ready": launch, "launch": launch, "done": end})
+    return {"backward_start": start, "buckets": buckets, "backward_end": end}
+
+
+def test_the_link_fit_recovers_latency_and_bandwidth_from_the_traced_all_reduces():
+    # busy periods of 4 buckets (23 MB), of 1 (8 MB), and two of 1 (1 MB each, far apart)
+    records = [link_record(0.0, [4e6, 1e6, 16e6, 2e6], [0.0, 0.001, 0.002, 0.05], 0.0005, 2.5e8),
+               link_record(10.0, [8e6], [0.0], 0.0005, 2.5e8), link_record(20.0, [1e6, 1e6], [0.0, 0.5], 0.0005, 2.5e8)]
+    latency, bandwidth = fit_link(records)
+    assert latency == pytest.approx(0.0005, rel=1e-6) and bandwidth == pytest.approx(2.5e8, rel=1e-6)
+    assert fit_link([]) is None
+    # overlapping collectives share the link: the busy period counts, not each one's launch-to-done
+    shared = {"backward_start": 0.0, "buckets": [{"index": 0, "bytes": 4e6, "launch": 0.0, "done": 0.08},
+                                                 {"index": 1, "bytes": 4e6, "launch": 0.01, "done": 0.07}]}
+    assert fit_link([shared]) == (0.0, pytest.approx(1e8))
+    latency, bandwidth = fit_link([link_record(0.0, [4e6, 4e6], [0.0, 0.0], 0.0, 1e8)])  # one size
+    assert latency == 0.0 and bandwidth == pytest.approx(1e8)
+
+
+def test_the_predicted_end_and_the_choice_from_it():
+    ready, nbytes = [0.03, 0.02, 0.01, 0.0], [4e6] * 4  # parameter 3's gradient is ready first
+    per_layer, whole = [[3], [2], [1], [0]], [[3, 2, 1, 0]]
+    # a slow link: per-layer buckets keep it busy from the first gradient; one bucket waits for the last
+    assert predict_end(per_layer, ready, nbytes, 0.0, 1e8) == pytest.approx(0.16)
+    assert predict_end(whole, ready, nbytes, 0.0, 1e8) == pytest.approx(0.03 + 0.16)
+    # latency counts once per bucket
+    assert predict_end(per_layer, ready, nbytes, 0.01, 1e8) == pytest.approx(0.2)
+    assert choose_by_link({1.0: 160.0, 25.0: 190.0}) == 1.0
+    assert choose_by_link({1.0: 160.0, 4.0: 160.0 * (1 + TIE / 2), 25.0: 190.0}) == 4.0  # fewer buckets
+    assert choose_by_link({1.0: 160.0, 25.0: 160.0 * (1 + TIE / 2)}) == 25.0
+
+
+def test_each_parameters_ready_time_is_its_buckets_median():
+    layout = [[3], [2, 1], [0]]
+    records = [link_record(5.0 * j, [1, 2, 1], [0.0, 0.01 + 0.001 * j, 0.02], 0.0, 1e9) for j in range(3)]
+    assert param_ready(records, layout, 4) == pytest.approx([0.02, 0.011, 0.011, 0.0])
+    assert param_ready([], layout, 4) is None
+
+
+def slow_link(state, bucket):
+    """The default all-reduce on a slow emulated link: its future ends bytes / 4 MB/s after it."""
+    import time
+
+    import torch.distributed as dist
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size())
+    seconds = buffer.numel() * buffer.element_size() / 4e6
+
+    def late(fut):
+        time.sleep(seconds)
+        return fut.value()[0]
+
+    return dist.all_reduce(buffer, async_op=True).get_future().then(late)
+
+
+def auto_on_a_slow_link(rank, world_size, steps):
+    model = gradsync.DDP(mlp(seed=0, width=512, depth=4), bucket_cap_mb="auto")  # 1 MiB layers
+    model.register_comm_hook(None, gradsync.core.comm.one_collective(slow_link))
+    for x, y in batches(steps, world_size, per_rank=2):
+        model.zero_grad()
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    return model.bucket_choice
+
+
+def test_a_link_bound_run_chooses_from_the_link_model_on_every_rank():
+    params = list(mlp(width=512, depth=4).parameters())
+    steps = syncs_to_choose(len(distinct_layouts(params, None, None))) + 1
+    first, second = run_ranks(auto_on_a_slow_link, 2, steps, timeout=120)
+    assert first == second and first is not None  # every rank chose the same from the same numbers
+    link = first["link"]
+    assert link["link_bound"] and 0 < link["gbytes_s"] < 0.05  # the emulated 4 MB/s, not loopback's GB/s
+    assert set(link["predicted_ms"]) == set(first["buckets"])
+    if first["rule"] == "link model":
+        assert first["bucket_cap_mb"] == choose_by_link(link["predicted_ms"])
+    else:  # the timings vetoed it: the link model's cap measured clearly slower than the default
+        assert first["rule"].startswith("timed") and first["bucket_cap_mb"] == choose(first["rounds_ms"],
+                                                                                      first["default_mb"])

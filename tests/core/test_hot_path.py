@@ -1,6 +1,8 @@
 """The reduction's memory passes (issue 17 item 2): gradients as bucket views average during the
-one copy into the bucket (or in place when ``.grad`` already is the bucket), never in a pass of
-their own, and without views the values stay bit-identical to torch's DDP."""
+one copy into the bucket (or in place when ``.grad`` already is the bucket), never in a pass over
+memory of their own, and without views the values stay bit-identical to torch's DDP. Slots under
+``store.SMALL_SLOT`` elements are copied in and divided with their bucket in one call (issue 29:
+per-parameter op overhead); their second touch is of memory just written, still in cache."""
 from collections import Counter
 
 import pytest
@@ -71,22 +73,28 @@ def test_reduce_dtype_views_bit_identical_to_reduce_dtype_without():
 
 
 class CountOps(TorchDispatchMode):
-    """Count the ops that read or write gradient memory (``storages``: bucket buffers and grads)."""
+    """Count the ops that read or write gradient memory (``storages``: bucket buffers and grads); a
+    foreach op counts once per tensor of its first list that does."""
 
     def __init__(self, storages):
         super().__init__()
         self.ops, self.storages = Counter(), storages
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.__name__.startswith("_foreach_"):
+            self.ops[func.__name__] += sum(t.untyped_storage().data_ptr() in self.storages for t in args[0])
+            return func(*args, **(kwargs or {}))
         tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
         if any(t.untyped_storage().data_ptr() in self.storages for t in tensors):
             self.ops[func.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 
-def count_passes(rank, world_size, view, set_to_none):
-    """Ops of one steady synced backward that touch bucket buffers or the gradients."""
-    model = gradsync.DDP(mlp(seed=0, width=48), gradient_as_bucket_view=view, **CAPS)
+def count_passes(rank, world_size, view, set_to_none, width=48):
+    """Ops of one steady synced backward that touch bucket buffers or the gradients; the number of
+    parameters, of buckets, and of parameters of at least ``SMALL_SLOT`` elements."""
+    from gradsync.core.store import SMALL_SLOT
+    model = gradsync.DDP(mlp(seed=0, width=width), gradient_as_bucket_view=view, **CAPS)
     x, y = (shard(t, rank, world_size) for t in batches(1, world_size)[0])
     for _ in range(3):  # the first synced backward re-plans the buckets; count a steady one
         model.zero_grad(set_to_none=set_to_none)
@@ -95,20 +103,32 @@ def count_passes(rank, world_size, view, set_to_none):
         storages |= {p.grad.untyped_storage().data_ptr() for p in model.parameters() if p.grad is not None}
         with CountOps(storages) as mode:
             loss.backward()
-    return dict(mode.ops), len(model.reducer.params)
+    big = sum(p.numel() >= SMALL_SLOT for p in model.reducer.params)
+    return dict(mode.ops), len(model.reducer.params), len(model.reducer.buckets), big
 
 
 @pytest.mark.parametrize("set_to_none", [True, False])
 def test_views_average_without_a_pass_of_their_own(set_to_none):
-    ops, n = run_ranks(count_passes, 2, True, set_to_none)[0]
+    ops, n, buckets, big = run_ranks(count_passes, 2, True, set_to_none)[0]
     ops.pop("add_.Tensor", None)  # autograd accumulating into an existing .grad
-    if set_to_none:  # a fresh .grad: one divided copy into the bucket per parameter, nothing else
-        assert ops == {"div.out": n}, ops
-    else:  # .grad already is the bucket view: one in-place division per parameter
-        assert ops == {"div_.Tensor": n}, ops
+    assert big == 0  # every slot small: divided with its bucket, one division per bucket
+    if set_to_none:  # a fresh .grad: one copy into the bucket per parameter, nothing else
+        assert ops == {"copy_.default": n, "div_.Tensor": buckets}, ops
+    else:  # .grad already is the bucket view: one in-place division per bucket
+        assert ops == {"div_.Tensor": buckets}, ops
+
+
+def test_large_slots_divide_on_their_one_copy_in():
+    ops, n, buckets, big = run_ranks(count_passes, 2, True, True, 128)[0]
+    ops.pop("add_.Tensor", None)
+    assert 0 < big < n and buckets < n  # a bucket holds a weight and a bias: the bias is divided alone
+    assert ops["div.out"] == big and ops["copy_.default"] == n - big, ops  # each slot written once
+    # the small ones: a whole-bucket division where the bucket has no large slot, else one call for them
+    assert set(ops) <= {"div.out", "copy_.default", "div_.Tensor", "_foreach_div_.Scalar"}, ops
+    assert ops.get("div_.Tensor", 0) <= buckets and ops.get("_foreach_div_.Scalar", 0) <= n - big, ops
 
 
 def test_without_views_one_divided_copy_in_and_one_copy_back():
-    ops, n = run_ranks(count_passes, 2, False, False)[0]
+    ops, n, buckets, big = run_ranks(count_passes, 2, False, False)[0]
     ops.pop("add_.Tensor", None)
-    assert ops == {"div.out": n, "copy_.default": n}, ops
+    assert ops == {"copy_.default": n, "div_.Tensor": buckets, "_foreach_copy_.default": n}, ops

@@ -128,8 +128,9 @@ def keywords(rank, world_size):
         gradsync.DDP(mlp(), mixed_precision=object())
     with pytest.raises(ValueError, match="set at the same time"):
         gradsync.DDP(mlp(), delay_all_reduce_named_params=[])
-    # accepted knobs with nothing to change on gloo: same gradients
-    knobs = gradsync.DDP(mlp(seed=rank), batched_grad_copy=True, skip_all_reduce_unused_params=True)
+    # accepted knobs with nothing to change here (every parameter used): same gradients
+    knobs = gradsync.DDP(mlp(seed=rank), batched_grad_copy=True, skip_all_reduce_unused_params=True,
+                         find_unused_parameters=True)
     step(knobs, rank, world_size)
     out["knobs"] = grads(knobs.module)
     return out

@@ -226,7 +226,9 @@ def test_a_whole_machine_dies(tmp_path):
     assert codes[:2] == [0, 0] and codes[2] == -9, (codes, outputs[0][1][-3000:])
     proc = subprocess.CompletedProcess(cmd, 0, "", outputs[0][1] + outputs[1][1])
     results = check_run(tmp_path, proc, victim=2, window=1)
-    assert 5 <= results[0]["events"][0]["seconds"] < 30  # the heartbeat stood still 5 s
+    # the heartbeat stood still 5 s; its last beat predates the kill by up to 0.5 s, and the failure is
+    # seen here a little after the kill: a re-form driven by the heartbeat takes 4-5 s from that failure
+    assert 4.0 <= results[0]["events"][0]["seconds"] < 30
 
 
 def members_in(events: list[dict], window: int, replicas: int = 3) -> list[int]:

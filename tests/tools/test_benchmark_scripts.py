@@ -85,6 +85,15 @@ def test_compile_bench_quick_run(tmp_path):
     assert report.count("| gpt-tiny | 1 |") == 1 and "| mlp-tiny | 25 | gradsync+compile |" in report
 
 
+def test_many_params_quick_run(tmp_path):
+    report = run_script("many_params", tmp_path)
+    record = json.loads((tmp_path / "many_params.json").read_text())
+    (row,) = record["rows"]
+    assert set(row["paired_ratio"]) == {"torch", "torch-views", "gradsync", "gradsync-copy", "gradsync-acc"}
+    assert report.count("| blocks-4x(16+ln) | 1 |") == 2  # medians, then ratios with their spread
+    assert "gradsync / torch" in report and "gradsync-acc / torch CPU" in report
+
+
 def test_scaling_quick_run(tmp_path):
     report = run_script("scaling", tmp_path)
     record = json.loads((tmp_path / "scaling.json").read_text())
@@ -167,3 +176,28 @@ def test_noise_scale_cost_quick_run(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = json.loads((tmp_path / "ns.json").read_text())
     assert set(run["median_ms"]) == {"off", "off-again", "noise_scale"} and len(run["noise_ratios"]) == 2
+
+
+def test_cluster_quick_run(tmp_path):
+    """benchmarks/cluster.py: 2 ranks in network namespaces over a rate-limited veth where this runs as
+    root (loopback otherwise), then a many-parameter model on loopback; the namespaces are gone after."""
+    env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "cluster.py"), "--quick", "--accum", "1", "--out",
+                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    record = json.loads((tmp_path / "cluster.json").read_text())
+    assert [(r["model"], r["accum"]) for r in record["rows"]] == [("device-tiny", 1), ("many-tiny", 1)]
+    assert record["rows"][0]["link"].startswith("veth" if record["namespaces"] else "loopback")
+    assert record["rows"][1]["link"] == "loopback" and len(record["load_before"]) == 3
+    for row in record["rows"]:
+        names = set(row["times"])
+        assert {"torch", "torch A/A", "gradsync", "gradsync auto", "gradsync auto bf16_wire", "compute",
+                "all-reduce"} <= names and all(len(t) == record["reps"] for t in row["times"].values())
+        assert len(row["limit"]) == record["reps"] and row["choice"]["gradsync auto"] is not None
+        assert {"auto / torch", "auto / torch best", "auto / limit", "bf16_wire / auto", "A/A"} <= set(
+            row["summary"]["ratio"])
+    report = (tmp_path / "cluster.md").read_text()
+    assert "| device-tiny |" in report and "| many-tiny | loopback | 1 |" in report
+    if record["namespaces"]:
+        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert f"gs-clu-a{record['netns_tag']}" not in left and f"gs-clu-b{record['netns_tag']}" not in left

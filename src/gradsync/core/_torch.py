@@ -4,8 +4,9 @@ Nothing else in gradsync names a torch attribute that starts with an underscore 
 checks). Torch's classes and functions are bound here at import, so a user's assignment
 (``torch.nn.parallel.DistributedDataParallel = gradsync.DistributedDataParallel``) or a
 framework's patch of a namespace cannot change what gradsync calls. Checked on torch 2.13.0
-(development pin) unless an entry says otherwise; torch 2.4 is the declared floor
-(``register_post_accumulate_grad_hook``).
+(development pin) and 2.14.1 (``make test-torch-next``) unless an entry says otherwise; 2.13 is the
+declared floor, the oldest release the suite has passed on (gradsync/_torch_range.py warns outside
+the tested range).
 """
 from __future__ import annotations
 
@@ -157,6 +158,18 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: Any) -> None:
     torch._foreach_mul_(tensors, factor)
 
 
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[k].copy_(src[k])`` for every k in one call (a bucket's write-back: one Python call, not
+    one per parameter). Without it: the same copies one by one, slower on models of many parameters."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_div_(tensors: list[torch.Tensor], divisor: int) -> None:
+    """``t.div_(divisor)`` for every tensor in one call (a bucket's small gradient slots, divided
+    together). Without it: the same divisions one by one."""
+    torch._foreach_div_(tensors, divisor)
+
+
 def storage_base(t: torch.Tensor) -> torch.Tensor:
     """The tensor ``t`` is a view of, or ``t`` itself (to return a whole buffer to a pool)."""
     return t._base if t._base is not None else t
@@ -179,7 +192,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
 
 __all__ = ["BatchNormBase", "Future", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
            "device_index",
-           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_mul_",
+           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
            "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
            "storage_base", "torch_function_disabled", "torch_function_stack", "version"]
@@ -195,6 +208,11 @@ def to_kwargs(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple,
 # The base class of BatchNorm1d/2d/3d and SyncBatchNorm (running statistics change per call):
 # Chunked refuses to split such a module, whose chunked statistics would differ from one call's.
 BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
+
+
+def is_registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still one of torch's live process groups (not destroyed or detached)."""
+    return group in dist.distributed_c10d._world.pg_map
 
 
 def detach_default_group() -> Any:

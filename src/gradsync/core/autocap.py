@@ -13,6 +13,14 @@ rank sets the step), so every rank makes the same choice, and re-plans one last 
 The choice keeps torch's default 25 MiB unless a candidate beat it in every round and by more
 than ``TIE`` at the median: on a shared CPU the candidates often differ by less than the noise of
 a few samples, and the minimum of noisy medians would pick a layout by chance.
+
+Where the link bounds the step, the timings say less than the link does: the same all-reduces
+(each bucket's launch, done and bytes) give a link model, latency + bytes / bandwidth
+(``fit_link``), and the gradient-ready times of the finest candidate give when each bucket of any
+layout is ready (``predict_end``). When sending the whole gradient over that link takes longer
+than the backward takes to produce it (``link_bound``: the link, not the CPU, sets the step), the
+cap comes from the predicted end of communication, not from the timings (unless that cap measured
+more than ``TIE`` slower than the default at the median); otherwise from the timings as above.
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from .buckets import plan_buckets
 CANDIDATES_MB = (1.0, 4.0, 16.0, 25.0, 64.0)
 ROUNDS = 4  # a candidate that is no faster beats the default in every round with chance 1/16
 TIE = 0.03
+LINK_BOUND = 1.0  # link-bound: the whole gradient's link time exceeds this share of the backward's gradient span
 DEFAULT_MB = 25.0  # torch's default cap: kept unless another candidate is clearly faster
 DEFAULT_FIRST_MB = 1.0  # torch's first bucket
 
@@ -42,11 +51,14 @@ class BucketChoice:
     measured_ms: dict[float, float] = field(default_factory=dict)  # cap -> median synced backward, max over ranks
     rounds_ms: dict[float, list[float]] = field(default_factory=dict)  # cap -> each round's synced backward
     buckets: dict[float, int] = field(default_factory=dict)  # cap -> number of buckets
+    rule: str = "timed"  # "timed" or "link model" (what decided), "single layout", "resumed"
+    link: dict = field(default_factory=dict)  # latency_ms, gbytes_s, link_ms, span_ms, link_bound, predicted_ms
 
     def as_dict(self) -> dict:
         return {"bucket_cap_mb": self.bucket_cap_mb, "first_bucket_cap_mb": self.first_bucket_cap_mb,
                 "default_mb": self.default_mb, "measured_ms": dict(self.measured_ms),
-                "rounds_ms": {c: list(t) for c, t in self.rounds_ms.items()}, "buckets": dict(self.buckets)}
+                "rounds_ms": {c: list(t) for c, t in self.rounds_ms.items()}, "buckets": dict(self.buckets),
+                "rule": self.rule, "link": dict(self.link)}
 
 
 def first_cap(cap: float, user_first: float | None) -> float:
@@ -87,6 +99,83 @@ def choose(rounds: dict[float, list[float]], default: float) -> float:
     return max(cap for cap, t in clear.items() if t <= best * (1 + TIE))
 
 
+def fit_link(records: Sequence[dict]) -> tuple[float, float] | None:
+    """Fit the link as ``latency`` per collective + ``bytes / bandwidth`` to traced synced backwards.
+
+    gloo runs several buckets' collectives at once, sharing the link, so one bucket's launch-to-done
+    says little; a busy period (launch-to-done intervals that overlap, merged) is what the link
+    spent on all its buckets: its length = count x latency + bytes / bandwidth, fitted by least
+    squares over the busy periods of ``records``. Returns (latency s, bandwidth bytes/s), or None
+    when nothing was traced; (0, bytes / time) when the periods cannot tell latency from bandwidth.
+    """
+    periods = []  # (collectives, bytes, seconds)
+    for record in records:
+        spans = sorted((b["launch"], b["done"], float(b["bytes"])) for b in record["buckets"]
+                       if "launch" in b and "done" in b)
+        current = None
+        for launch, done, size in spans:
+            if current is not None and launch <= current[1]:
+                current = [current[0], max(current[1], done), current[2] + 1, current[3] + size]
+            else:
+                if current is not None:
+                    periods.append((current[2], current[3], current[1] - current[0]))
+                current = [launch, done, 1, size]
+        if current is not None:
+            periods.append((current[2], current[3], current[1] - current[0]))
+    periods = [p for p in periods if p[2] > 0]
+    if not periods:
+        return None
+    scc = sum(c * c for c, _, _ in periods)
+    scx = sum(c * x for c, x, _ in periods)
+    sxx = sum(x * x for _, x, _ in periods)
+    scd = sum(c * d for c, _, d in periods)
+    sxd = sum(x * d for _, x, d in periods)
+    det = scc * sxx - scx * scx
+    if det > 1e-9 * scc * sxx:
+        latency, per_byte = (scd * sxx - sxd * scx) / det, (scc * sxd - scx * scd) / det
+        if latency >= 0 and per_byte > 0:
+            return latency, 1.0 / per_byte
+    return 0.0, sum(x for _, x, _ in periods) / sum(d for _, _, d in periods)
+
+
+def param_ready(records: Sequence[dict], layout: list[list[int]], n: int) -> list[float] | None:
+    """Each parameter's gradient-ready time (s after the backward's first gradient), from traces of
+    ``layout``: the median over ``records`` of its bucket's ready time (an upper bound for each member)."""
+    per_bucket: list[list[float]] = [[] for _ in layout]
+    for record in records:
+        for b in record["buckets"]:
+            if "ready" in b and b["index"] < len(layout):
+                per_bucket[b["index"]].append(b["ready"] - record["backward_start"])
+    if not records or any(not t for t in per_bucket):
+        return None
+    ready = [0.0] * n
+    for members, times in zip(layout, per_bucket):
+        for i in members:
+            ready[i] = statistics.median(times)
+    return ready
+
+
+def predict_end(layout: list[list[int]], ready: Sequence[float], nbytes: Sequence[float], latency: float,
+                bandwidth: float) -> float:
+    """When the last bucket's collective ends (s after the first gradient) with ``layout``: buckets
+    launch in index order once all their gradients are ready, and take the link one after another."""
+    launched = done = 0.0
+    for members in layout:
+        launched = max(launched, max(ready[i] for i in members))
+        done = max(done, launched) + latency + sum(nbytes[i] for i in members) / bandwidth
+    return done
+
+
+def choose_by_link(predicted: dict[float, float]) -> float:
+    """The largest cap (fewest collectives) whose predicted end is within ``TIE`` of the earliest.
+
+    No preference for torch's default here: where the link bounds the step, an idle link while a
+    big bucket fills is time lost, whichever cap is torch's.
+    """
+    best = min(predicted.values())
+    return max(cap for cap, t in predicted.items() if t <= best * (1 + TIE))
+
+
 class AutoCaps:
     """The reducer's ``bucket_cap_mb="auto"`` state: time each candidate, then choose once.
 
@@ -102,6 +191,7 @@ class AutoCaps:
         self.schedule: list[float] = []  # caps still to time, in order
         self.current: float | None = None  # the cap the next synced backward runs with
         self.times: dict[float, list[float]] = {}
+        self.records: dict[float, list[dict]] = {}  # cap -> the traced synced backwards timed with it
         self.choice: BucketChoice | None = None
         self._own_trace = False
         self._start()
@@ -128,12 +218,15 @@ class AutoCaps:
             if len(self.layouts) == 1:  # every candidate plans the same buckets: nothing to time
                 self.finish(BucketChoice(
                     bucket_cap_mb=self.default, first_bucket_cap_mb=first_cap(self.default, self.first_bucket_cap_mb),
-                    default_mb=self.default, buckets={self.default: len(self.layouts[self.default])}))
+                    default_mb=self.default, buckets={self.default: len(self.layouts[self.default])},
+                    rule="single layout"))
                 return
             self.schedule = [cap for _ in range(ROUNDS) for cap in self.layouts]
             self.times = {cap: [] for cap in self.layouts}
+            self.records = {cap: [] for cap in self.layouts}
         elif record is not None and "backward_end" in record:
             self.times[self.current].append(record["backward_end"] - record["backward_start"])
+            self.records[self.current].append(record)
         if self.reducer.trace is None:  # switched off meanwhile: trace the next ones
             self._own_trace = False
             self._start()
@@ -143,25 +236,62 @@ class AutoCaps:
         else:
             self._agree()
 
+    def _link_model(self, caps: list[float]) -> list[float]:
+        """This rank's link model: [latency s, s per byte, whole gradient's link s, gradient span s,
+        predicted end per cap]; zeros where its traces cannot tell (MAX over ranks: the slowest's)."""
+        fit = fit_link([r for c in caps for r in self.records[c]])
+        finest = min(caps)
+        params = self.reducer.params
+        ready = param_ready(self.records[finest], self.layouts[finest], len(params))
+        if fit is None or ready is None:
+            return [0.0] * (4 + len(caps))
+        latency, bandwidth = fit
+        record = self.records[finest][0]
+        per_element = [b["bytes"] / max(1, sum(params[i].numel() for i in self.layouts[finest][b["index"]]))
+                       for b in sorted(record["buckets"], key=lambda b: b["index"])]
+        nbytes = [0.0] * len(params)
+        for members, size in zip(self.layouts[finest], per_element):
+            for i in members:
+                nbytes[i] = params[i].numel() * size
+        whole = latency + sum(nbytes) / bandwidth
+        span = max(ready) - min(ready)
+        return [latency, 1.0 / bandwidth, whole, span,
+                *(predict_end(self.layouts[c], ready, nbytes, latency, bandwidth) for c in caps)]
+
     def _agree(self) -> None:
         reducer, caps = self.reducer, list(self.layouts)
         # a round this rank did not time (it shadowed that backward) counts 0: other ranks timed it
-        times = torch.tensor([(self.times[c] + [0.0] * ROUNDS)[:ROUNDS] for c in caps],
-                             dtype=torch.float64, device=reducer.device)
+        rows = [(self.times[c] + [0.0] * ROUNDS)[:ROUNDS] for c in caps]
+        link = self._link_model(caps)
+        shared = torch.tensor([v for row in rows for v in row] + link, dtype=torch.float64, device=reducer.plane.device)
         if reducer.world_size > 1:  # MAX is exact in any order: every rank gets the same numbers
-            reducer.wait(dist.all_reduce(times, op=dist.ReduceOp.MAX, group=reducer.group, async_op=True),
+            reducer.wait(dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=reducer.plane.group, async_op=True),
                          "the automatic bucket cap's timings")
-        rounds = {c: [1e3 * t for t in row] for c, row in zip(caps, times.tolist())}
-        cap = choose(rounds, self.default)
+        values = shared.tolist()
+        rounds = {c: [1e3 * t for t in values[k * ROUNDS:(k + 1) * ROUNDS]] for k, c in enumerate(caps)}
+        latency, per_byte, whole, span, *ends = values[len(caps) * ROUNDS:]
+        bound = per_byte > 0 and whole > LINK_BOUND * span
+        predicted = {c: 1e3 * t for c, t in zip(caps, ends)}
+        cap, rule = choose(rounds, self.default), "timed"
+        if bound:  # the link model decides, unless its cap measured clearly slower than the default
+            linked = choose_by_link(predicted)
+            if statistics.median(rounds[linked]) <= statistics.median(rounds[self.default]) * (1 + TIE):
+                cap, rule = linked, "link model"
+            else:
+                rule = "timed: the link model's cap measured slower"
+        info = {} if per_byte <= 0 else {
+            "latency_ms": 1e3 * latency, "gbytes_s": 1e-9 / per_byte, "link_ms": 1e3 * whole, "span_ms": 1e3 * span,
+            "link_bound": bound, "predicted_ms": predicted}
         self.finish(BucketChoice(
             bucket_cap_mb=cap, first_bucket_cap_mb=first_cap(cap, self.first_bucket_cap_mb), default_mb=self.default,
             measured_ms={c: statistics.median(t) for c, t in rounds.items()}, rounds_ms=rounds,
-            buckets={c: len(plan) for c, plan in self.layouts.items()}))
+            buckets={c: len(plan) for c, plan in self.layouts.items()}, rule=rule,
+            link=info))
 
     def resume(self, bucket_cap_mb: float, first_bucket_cap_mb: float) -> tuple[float, float]:
         """Take caps chosen before (an interrupted run's gradient state); return them for the re-plan."""
-        self.choice = BucketChoice(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
-        self.schedule, self.times = [], {}
+        self.choice = BucketChoice(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, rule="resumed")
+        self.schedule, self.times, self.records = [], {}, {}
         if self._own_trace:
             self.reducer.trace, self._own_trace = None, False
         return bucket_cap_mb, first_bucket_cap_mb
@@ -201,5 +331,6 @@ def check_auto_cap_hook_state(auto: AutoCaps | None, state) -> None:
         f"Pass start_powerSGD_iter >= {bound}, or a number as bucket_cap_mb.")
 
 
-__all__ = ["AutoCaps", "BucketChoice", "CANDIDATES_MB", "ROUNDS", "check_auto_cap_hook_state", "choose",
-           "default_cap", "distinct_layouts", "first_cap", "syncs_to_choose"]
+__all__ = ["AutoCaps", "BucketChoice", "CANDIDATES_MB", "LINK_BOUND", "ROUNDS", "check_auto_cap_hook_state", "choose",
+           "choose_by_link", "default_cap", "distinct_layouts", "first_cap", "fit_link", "param_ready", "predict_end",
+           "syncs_to_choose"]

@@ -151,12 +151,16 @@ def bf16_wire_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) 
 
     Every value is rounded to bf16 twice (on the way out and on the way back), whatever the world
     size; ``bf16_compress_hook`` also rounds each partial sum of its all-reduce. Issues its
-    all-gather from the all-to-all's callback, so buckets reduce one after another.
+    all-gather from the all-to-all's callback, so buckets reduce one after another. On 2 ranks it
+    all-gathers the bf16 buckets instead (the same bytes: each rank sends its bucket once) and
+    every rank sums both in fp32: no collective from a callback, so buckets pipeline on the link.
     """
     group = _group(process_group)
     world_size, rank = group.size(), group.rank()
     buffer = bucket.buffer()
     n = buffer.numel()
+    if world_size == 2:
+        return _wire_gathered(group, rank, buffer)
     shard = -(-n // world_size)
     send = _wire.take(shard * world_size, torch.bfloat16, buffer.device)
     send[:n].copy_(buffer.reshape(-1))
@@ -177,6 +181,27 @@ def bf16_wire_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) 
     return fut.then(gather)
 
 
+def _wire_gathered(group: Any, rank: int, buffer: torch.Tensor) -> torch.futures.Future:
+    """``bf16_wire_hook`` on 2 ranks: all-gather both bf16 copies, average them in fp32 (rank order)."""
+    n = buffer.numel()
+    rows = _wire.take(2 * n, torch.bfloat16, buffer.device)
+    rows[rank * n:(rank + 1) * n].copy_(buffer.reshape(-1))
+    works = start_all_gather(rows, n, rank, group, exchanges(buffer.device))
+    fut = works[0].get_future() if len(works) == 1 else torch.futures.collect_all([w.get_future() for w in works])
+
+    def average(fut: torch.futures.Future) -> torch.Tensor:
+        fut.wait()  # raises if a collective failed
+        for done in fut.value() if len(works) > 1 else ():
+            done.value()
+        out = rows[:n]  # chunk by chunk, each chunk read before it is overwritten
+        _average_into(rows.view(2, n), torch.promote_types(buffer.dtype, torch.float32), out)  # rounds to bf16
+        buffer.view(-1).copy_(out)
+        _wire.give(rows)
+        return buffer
+
+    return fut.then(average)
+
+
 def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
     """Skip communication: every rank keeps its local gradient (for debugging only)."""
     fut: torch.futures.Future = torch.futures.Future()
@@ -184,14 +209,17 @@ def noop_hook(state: Any, bucket: GradBucket) -> torch.futures.Future:
     return fut
 
 
-def issues_one_collective(hook: CommHook) -> bool:
-    """Return True for hooks known to issue one collective and none from their futures' callbacks.
+def issues_one_collective(hook: CommHook, world_size: int | None = None) -> bool:
+    """Return True for hooks known to issue one collective and none from their futures' callbacks
+    (``bf16_wire_hook`` on ``world_size`` 2: its collectives all start in the hook).
 
     Other hooks (e.g. torch's ``powerSGD_hook``) may start collectives from a callback, on gloo's
     thread, when an earlier collective completes; the reducer then issues nothing else until
     that bucket's future is done, so every rank issues collectives in the same order.
     """
     hook = getattr(hook, "func", hook)  # functools.partial
+    if hook is bf16_wire_hook and world_size == 2:
+        return True
     return hook in _ONE_COLLECTIVE or getattr(hook, "_gradsync_one_collective", False)
 
 

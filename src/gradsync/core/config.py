@@ -33,6 +33,9 @@ class ReducerConfig:
     find_unused_parameters: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    skip_all_reduce_unused_params: bool = False
+    """Launch no collective for a bucket whose parameters no rank used in the previous synced backward
+    (``skip.py``); needs ``find_unused_parameters`` or ``static_graph``."""
     timeout: timedelta
     """Bound on every wait for a collective."""
     reduce_dtype: torch.dtype | None = None
@@ -62,6 +65,16 @@ class ReducerConfig:
             raise ValueError(f"gradsync: {self.wrapper_name} does not take check_finite=True: the reduced "
                              "gradient lives in per-rank shards; check the shards' norm instead "
                              "(model.clip_grad_norm_ returns it)")
+        if self.skip_all_reduce_unused_params and not (self.find_unused_parameters or self.static_graph):
+            raise ValueError(
+                "gradsync: skip_all_reduce_unused_params=True skips the buckets of parameters that no rank "
+                "used, and only find_unused_parameters=True (or static_graph=True) lets a parameter go "
+                "unused: without either, every parameter must get a gradient in every synced backward, so "
+                "the flag could never apply (torch accepts it and does nothing). Pass "
+                "find_unused_parameters=True, or drop the flag.")
+        if self.skip_all_reduce_unused_params and self.sharded:
+            raise ValueError(f"gradsync: {self.wrapper_name} does not take skip_all_reduce_unused_params=True: "
+                             "every bucket's reduce-scatter fills every rank's shard; leave it False")
         if self.sharded and self.auto_bucket_cap:
             raise ValueError(f"gradsync: {self.wrapper_name} lays its buckets out once, at construction, so it "
                              "cannot choose the cap from measured backwards; pass bucket_cap_mb as a size in MiB")

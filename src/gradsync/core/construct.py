@@ -288,7 +288,8 @@ _FUTURE_TYPES = (torch.futures.Future, torch.futures.Future[torch.Tensor])
 def check_comm_hook(hook: Any) -> None:
     """Raise like torch's ``_check_comm_hook`` when ``hook`` cannot be a communication hook."""
     if not callable(hook):
-        raise TypeError(f"gradsync: the communication hook must be callable, got {type(hook).__name__}")
+        raise TypeError(f"gradsync: Communication hook must be callable. Got {type(hook).__name__}: a hook is "
+                        "hook(state, bucket) -> torch.futures.Future[torch.Tensor].")
     try:
         sig = inspect.signature(hook, eval_str=True)
     except (NameError, SyntaxError, TypeError):  # unresolvable string annotations: compare their text

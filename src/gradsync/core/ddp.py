@@ -31,7 +31,7 @@ from .config import ReducerConfig, resolve_reduce_dtype
 from .grad_state import grad_state, load_grad_state
 from .reducer import Reducer
 from . import membership, standin
-from .snapshot import parameters_swapped, snapshot
+from .snapshot import module_tensors, parameters_swapped, snapshot
 from .standin import Mark
 from .telemetry import ReportMethods
 from .torch_extras import TorchDDPExtras
@@ -53,9 +53,10 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
     ``param.main_grad`` is the average (a view into the bucket) and ``.grad`` its copy in the
     parameter's dtype (``core/main_grad.py``).
 
-    Accepted for compatibility, with no effect: ``batched_grad_copy`` (a CUDA kernel-launch
-    optimization), ``skip_all_reduce_unused_params`` (buckets are reduced whole; gradients come out
-    as torch's: parameters unused on every rank keep theirs), ``check_reduction`` (deprecated in
+    ``skip_all_reduce_unused_params=True`` (with ``find_unused_parameters=True`` or ``static_graph``)
+    launches no collective for a bucket whose parameters no rank used in the previous synced backward,
+    the same buckets on every rank (``core/skip.py``). Accepted for compatibility, with no effect:
+    ``batched_grad_copy`` (a CUDA kernel-launch optimization), ``check_reduction`` (deprecated in
     torch too). ``broadcast_buffers`` is deprecated as in torch 2.13: ``broadcast_buffers=False``
     also keeps buffers out of the initial sync, ``forward_sync_buffers=False`` does not.
     ``delay_all_reduce_named_params`` parameters are averaged when a synchronizing backward that
@@ -117,6 +118,7 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
             bucket_cap_mb=caps, first_bucket_cap_mb=first_cap, auto_bucket_cap=auto,
             user_first_bucket_cap_mb=first_bucket_cap_mb, find_unused_parameters=find_unused_parameters,
             gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+            skip_all_reduce_unused_params=bool(skip_all_reduce_unused_params),
             timeout=resolve_timeout(timeout, self.process_group, self.device),
             reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]), check_finite=check_finite,
             sharded=self.sharded, straggler_warning=bool(straggler_warning), wrapper_name=type(self).__name__)
@@ -133,6 +135,9 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
         self._build_reducer(config)
         follows = membership.current()
         if follows is not None and process_group is None and device_mesh is None:
+            if skip_all_reduce_unused_params:  # a replica that joins has not seen which buckets the others skip
+                raise ValueError("gradsync: skip_all_reduce_unused_params=True is not supported with "
+                                 "gradsync.elastic membership; leave it False")
             membership.follow(self, follows)  # layers/elastic.py: re-form after a member leaves
 
     def make_reducer(self, params: list[nn.Parameter], names: list[str], config: ReducerConfig) -> Reducer:
@@ -180,10 +185,11 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
         self.reducer.prepare_for_forward()
         if self._delayed is not None:
             self._delayed.prepare_for_forward()
-        swapped = parameters_swapped(self.module, self._param_snapshot, self.reducer.params)
+        current, module_buffers = module_tensors(self.module)  # one walk for both (snapshot.py)
+        swapped = parameters_swapped(self.module, self._param_snapshot, self.reducer.params, current)
         self._check_group()
         src = self._join.before_forward() if self._join_config.enable and self._join is not None else 0
-        buffers = list(self.module.buffers()) if self.will_broadcast_buffers() else []
+        buffers = module_buffers if self.will_broadcast_buffers() else []
         if buffers and self.reducer.broken is None:
             try:
                 self.reducer.plane.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
@@ -286,6 +292,7 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The ``Joinable`` hook: ``divide_by_initial_world_size`` (default True) as in ``join()``."""
+        self.reducer.skips.forget()  # every rank enters the join here; a joined rank shadows every bucket
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -308,11 +315,17 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Use ``hook(state, bucket) -> Future[Tensor]`` instead of the default averaging all-reduce."""
-        check_comm_hook(hook)
-        if self.reducer.launcher.hook is not None:
-            raise RuntimeError("gradsync: register_comm_hook can only be called once")
+        try:
+            check_comm_hook(hook)
+        except (TypeError, ValueError) as exc:
+            self._log_error(exc)  # torch's logger keeps it
+            raise
+        if self.reducer.launcher.hook is not None:  # torch's sentence: its tests match it
+            self._log_and_throw(RuntimeError, "gradsync: register_comm_hook or register_builtin_comm_hook can "
+                                "only be called once. This model already has a communication hook.")
         if self.reducer.backward_count > 0:
-            raise RuntimeError("gradsync: register_comm_hook must be called before the first backward")
+            self._log_and_throw(RuntimeError, "gradsync: register_comm_hook must be called before the first "
+                                "backward")
         check_auto_cap_hook_state(self.reducer.auto_caps, state)
         self.reducer.launcher.set_hook(hook, state)
 
@@ -341,6 +354,10 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
         ranks' values by rank. None: headers are switched off (a measurement): exchange them yourself."""
         plane = self.reducer.plane
         return plane.carry(values) if plane.headers else None
+
+    def control_group(self) -> tuple[dist.ProcessGroup, torch.device]:
+        """The control plane's group and device: a layer's own small exchanges go there (``plane.py``)."""
+        return self.reducer.plane.group, self.reducer.plane.device
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply every synchronized gradient by ``factor`` (used by the accumulator)."""

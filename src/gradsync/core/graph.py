@@ -52,6 +52,7 @@ class Expected:
         self.index_of = index_of
         self.static_counts: list[int] | None = None  # static_graph: hooks per parameter, learned once
         self.reachable: set[int] = set()  # find_unused_parameters: reached since the last synced backward
+        self.error: tuple[int, str] | None = None  # the latest error raised here, for torch's logging data
 
     def note_forward(self, outputs: Any, config: Any) -> None:
         if config.find_unused_parameters and not (config.static_graph and self.static_counts is not None):
@@ -74,12 +75,16 @@ class Expected:
         the graph did not behave as promised."""
         if not config.static_graph:
             if ready[i]:
-                raise RuntimeError(messages.ready_twice(name))
+                raise self._logged(RuntimeError(messages.ready_twice(name)))
             return True
         hook_counts[i] += from_hook
         if self.static_counts is None:
             return False  # first synced backward: learn how often each hook fires, launch at the end
         expected = self.static_counts[i]
         if hook_counts[i] > expected:
-            raise RuntimeError(messages.static_graph_extra(name, hook_counts[i], expected))
+            raise self._logged(RuntimeError(messages.static_graph_extra(name, hook_counts[i], expected)))
         return not (from_hook and hook_counts[i] < expected)
+
+    def _logged(self, exc: RuntimeError) -> RuntimeError:
+        self.error = messages.logged(exc)  # raised inside a gradient hook: the reducer's end never sees it
+        return exc

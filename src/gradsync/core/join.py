@@ -117,12 +117,13 @@ class DDPJoinHook(JoinHook):
                    broadcasts: bool) -> tuple[list[int], bool, bool]:
         ddp = self.ddp
         w, rank = ddp.world_size, ddp.reducer.rank
-        flags = torch.zeros(w + 2, dtype=torch.int64, device=ddp.reducer.device)
+        plane = ddp.reducer.plane  # the control group: nothing read back from a device
+        flags = torch.zeros(w + 2, dtype=torch.int64, device=plane.device)
         if active:
             flags[rank] = 1
             flags[w] = int(will_sync)
             flags[w + 1] = int(broadcasts)
-        ddp.reducer.wait(dist.all_reduce(flags, group=ddp.process_group, async_op=True),
+        ddp.reducer.wait(dist.all_reduce(flags, group=plane.group, async_op=True),
                          "the join handshake")
         values = flags.tolist()
         ranks = [r for r in range(w) if values[r] == 1]
@@ -179,7 +180,7 @@ def shadow_backward(reducer: Reducer) -> None:
         views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
         works.append(launcher.issue(b.index, zeros, views, b.members, works[-1] if works else None,
                                     b.index == len(buckets) - 1))
-    control = empty_control(reducer.world_size, len(reducer.params), reducer.device)
+    control = empty_control(reducer.world_size, len(reducer.params), reducer.plane.device)
     launcher.before_control(works)
     control_work = reducer.plane.launch_control(control)
     for b, work in zip(buckets, works):

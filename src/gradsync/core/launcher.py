@@ -56,7 +56,7 @@ class BucketLauncher:
         """
         if self.hook is None:
             return dist.all_reduce(buffer, group=self.group, async_op=True)
-        if previous is not None and not issues_one_collective(self.hook):
+        if previous is not None and not issues_one_collective(self.hook, self.group.size()):
             self.plane.wait(previous, f"bucket {index - 1} (its hook's collectives finish before bucket {index})")
         if buffer.is_complex():  # as torch's reducer: hooks see the real view (a cast would drop imaginary parts)
             buffer, views = torch.view_as_real(buffer).view(-1), [torch.view_as_real(v) for v in views]
@@ -71,9 +71,10 @@ class BucketLauncher:
     def before_control(self, handles: list[Any]) -> None:
         """A hook that may issue collectives from its futures' callbacks finishes them before the
         control all-reduce, so the control pairs with the control on every rank."""
-        if self.hook is not None and not issues_one_collective(self.hook):
+        if self.hook is not None and not issues_one_collective(self.hook, self.group.size()):
             for index, handle in enumerate(handles):
-                self.plane.wait(handle, f"bucket {index}")
+                if handle is not None:  # None: a bucket skip_all_reduce_unused_params did not launch
+                    self.plane.wait(handle, f"bucket {index}")
 
     def result(self, bucket: Bucket) -> torch.Tensor:
         """Wait for ``bucket``'s collective; return the reduced tensor (checked against the bucket)."""

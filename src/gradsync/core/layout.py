@@ -55,7 +55,8 @@ class Layout:
         seen = set(order)
         order = list(dict.fromkeys(order)) + [i for i in reversed(range(n)) if i not in seen]
         shared = torch.tensor(order, dtype=torch.int64, device=self.plane.device)
-        self.plane.wait(dist.broadcast(shared, src=dist.get_global_rank(self.group, 0), group=self.group,
+        group = self.plane.group  # a CPU group when the data plane is on a device (plane.py)
+        self.plane.wait(dist.broadcast(shared, src=dist.get_global_rank(group, 0), group=group,
                                        async_op=True), "the bucket rebuild")
         self.replan(shared.tolist())
 

@@ -1,6 +1,17 @@
 """The reducer's longer error and warning texts, kept out of the state machine so it reads top to bottom."""
 from __future__ import annotations
 
+import itertools
+
+_ERRORS = itertools.count()  # orders the errors a wrapper's parts log (the latest one is reported)
+
+
+def logged(exc: BaseException, wrapper: bool = False) -> tuple[int, str]:
+    """What torch's DDP logger keeps of an error (``_get_ddp_logging_data()["error"]``), with a number
+    ordering it among the others: the message as the reducer raised it, or for the wrapper's own checks
+    torch's Python form ``"<class 'RuntimeError'>: message"``."""
+    return next(_ERRORS), f"{type(exc)}: {exc}" if wrapper else str(exc)
+
 COMPILED_AUTOGRAD_UNFINISHED = (
     "gradsync: under compiled autograd a synced backward ends when its last bucket "
     "launches, and the previous one ended with buckets unlaunched: some parameters "
@@ -17,15 +28,20 @@ UNPREPARED_BACKWARD = (
 
 
 def static_graph_extra(name: str, count: int, expected: int) -> str:
-    return (f"gradsync: static_graph=True, but parameter '{name}' produced a gradient "
-            f"{count} times in this backward and {expected} times in the first "
-            "iteration. The graph changed; construct the model with static_graph=False.")
+    # torch's sentence first (its tests match it), then what gradsync knows
+    return ("gradsync: Your training graph has changed in this iteration, e.g., one parameter is unused "
+            "in first iteration, but then got used in the second iteration. this is not compatible with "
+            f"static_graph set to True. With static_graph=True, parameter '{name}' produced a gradient {count} "
+            f"times in this backward and {expected} times in the first iteration: the graph changed; construct "
+            "the model with static_graph=False.")
 
 
 def static_graph_missing(names: str) -> str:
-    return (f"gradsync: static_graph=True, but parameter(s) {names} produced no gradient in this "
-            "backward although they did in the first iteration. The graph changed; construct the "
-            "model with static_graph=False (and find_unused_parameters=True if needed).")
+    return ("gradsync: Your training graph has changed in this iteration, e.g., one parameter is used in "
+            "first iteration, but then got unused in the second iteration. this is not compatible with "
+            f"static_graph set to True. With static_graph=True, parameter(s) {names} produced no gradient in "
+            "this backward although they did in the first iteration: the graph changed; construct the model "
+            "with static_graph=False (and find_unused_parameters=True if needed).")
 
 
 def ready_twice(name: str) -> str:

@@ -5,7 +5,10 @@ here: each synced backward (and each forward that broadcasts buffers) starts wit
 (``header.py``), which also carries one float per rank for the layers (the accumulator's item
 count: ``carry``); each synced backward ends with the control all-reduce (``control.py``). Every
 wait on any collective goes through ``wait``, bounded by the configured timeout. The plane has its
-own group handle, so the control traffic can move to a CPU group without touching the data plane.
+own group handle: when the data plane is on a device, the control traffic runs on a CPU (gloo) group
+of the same ranks (``control_group``), so no header, control or carried value is ever read back from
+the device: a steady-state step makes no device-to-host sync, and the CPU runs ahead as it does under
+torch's DDP. Waits on the data plane's collectives are then stream waits (their futures), not host waits.
 """
 from __future__ import annotations
 
@@ -17,9 +20,53 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ._torch import is_future, is_registered
 from .control import SyncError, bounded_wait
 from .header import BACKWARD, check_header, header_tensor, payloads
 from .membership import PeerFailure
+
+# tests only: give a CPU data plane its own control group too, as a device data plane has
+SEPARATE_ON_CPU = False
+
+
+def reduces_cpu(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` can all-reduce CPU tensors (gloo, or a group with a CPU backend beside NCCL)."""
+    try:
+        group._get_backend(torch.device("cpu"))
+    except (RuntimeError, AttributeError, ValueError):
+        return False
+    return True
+
+
+def control_group(group: dist.ProcessGroup, data_device: torch.device) -> tuple[dist.ProcessGroup, torch.device]:
+    """Return the group and device of the control plane for a data plane on ``data_device``.
+
+    A CPU data plane shares its group. Off CPU the control tensors stay on the CPU: over ``group``
+    when it has a CPU backend, otherwise over a new gloo group of the same ranks (its members alone
+    take part in making it: ``use_local_synchronization``). Only without gloo do they go on the
+    device, and each synced backward then reads them back (two syncs)."""
+    cpu = torch.device("cpu")
+    if data_device.type == "cpu" and not SEPARATE_ON_CPU:
+        return group, cpu
+    if data_device.type != "cpu" and reduces_cpu(group):
+        return group, cpu
+    if not dist.is_gloo_available():
+        return group, data_device
+    return _gloo_group(dist.get_process_group_ranks(group)), cpu
+
+
+_subgroups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _gloo_group(ranks: list[int]) -> dist.ProcessGroup:
+    if len(ranks) == dist.get_world_size():  # every rank builds this wrapper: a new group, named by count
+        return dist.new_group(ranks=ranks, backend="gloo")
+    # only the members build it (use_local_synchronization), and torch names such a group by its
+    # ranks, once: the wrappers over one subgroup share its control group
+    known = _subgroups.get(tuple(ranks))
+    if known is None or not is_registered(known):
+        known = _subgroups[tuple(ranks)] = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    return known
 
 
 @dataclass
@@ -35,9 +82,13 @@ class ControlPlane:
     headers = True  # False only to measure what the headers cost (benchmarks/header_cost.py)
 
     def __init__(self, group: dist.ProcessGroup, *, rank: int, world_size: int, device: torch.device,
-                 timeout: timedelta, counters: Counters):
+                 timeout: timedelta, counters: Counters, data_device: torch.device | None = None):
         self.group, self.rank, self.world_size = group, rank, world_size
-        self.device = device  # NCCL reduces only tensors on the rank's device
+        self.device = device  # of the control tensors (``control_group``)
+        # off CPU a Work's bounded wait(timeout) blocks the host until the device finished it; its
+        # future orders the current stream after the collective instead (NCCL's watchdog bounds it)
+        self.stream_waits = data_device is not None and data_device.type != "cpu"
+        self.data_device = data_device or device
         self.timeout = timeout
         self.counters = counters
         self._header: torch.Tensor | None = None
@@ -51,8 +102,10 @@ class ControlPlane:
         self.membership: Any = None  # core/membership.py: waits also end when the group is known broken
 
     def regroup(self, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
-        """Use a new group (elastic membership re-formed it); the next header carries the same values."""
-        self.group, self.rank, self.world_size = group, rank, world_size
+        """Use (the control group for) a new data group: elastic membership re-formed it; the next
+        header carries the same values."""
+        self.group, self.device = control_group(group, self.data_device)
+        self.rank, self.world_size = rank, world_size
         self._work, self._payload, self._payloads = None, self.sent_payload, None
 
     def set_active(self, ranks: list[int] | None) -> None:
@@ -117,6 +170,8 @@ class ControlPlane:
 
     def wait(self, handle: Any, what: str) -> None:
         """Wait for a Work or Future, bounded by the timeout, with a useful error."""
+        if self.stream_waits and not is_future(handle):
+            handle = _future_of(handle)
         try:
             if self.membership is not None:
                 self.membership.wait(handle, self.timeout)
@@ -132,4 +187,11 @@ class ControlPlane:
             ) from exc
 
 
-__all__ = ["ControlPlane", "Counters"]
+def _future_of(work: Any) -> Any:
+    try:
+        return work.get_future()
+    except RuntimeError:  # gloo's reduce-scatter has none: its wait is the only one
+        return work
+
+
+__all__ = ["ControlPlane", "Counters", "control_group", "reduces_cpu"]

@@ -36,7 +36,8 @@ from .header import BACKWARD
 from .launcher import BucketLauncher
 from .layout import Layout
 from .membership import PeerFailure
-from .plane import ControlPlane, Counters
+from .plane import ControlPlane, Counters, control_group
+from .skip import UnusedBuckets
 from .store import BucketStore
 from .telemetry import Stragglers, SyncReport, local_norm2, record_report
 
@@ -56,6 +57,10 @@ class IterationState:
     hook_wait: float = 0.0  # seconds its hooks waited on the phase header (others' work, not this rank's)
     norm2: Any = None  # with measure_norm: the squared norm of what went into the buckets
     record: dict | None = None  # this backward's comm trace, when tracing
+    # read once per synced backward, not in each gradient's hook
+    divide: bool = True  # the store divides as it copies in (launcher.divides_on_copy)
+    static: bool = False  # static_graph: the hooks are counted (graph.py)
+    order: list[int] | None = None  # the first synced backward's gradient-ready order (layout.py)
 
 
 class Reducer:
@@ -71,11 +76,12 @@ class Reducer:
         self.group = process_group
         self.rank = dist.get_rank(process_group)
         self.world_size = dist.get_world_size(process_group)
-        self.device = self.params[0].device  # where small control tensors live: NCCL needs the GPU
+        self.device = self.params[0].device  # the data plane's
         self.should_sync = should_sync
         self.counters = Counters()
-        self.plane = ControlPlane(process_group, rank=self.rank, world_size=self.world_size, device=self.device,
-                                  timeout=config.timeout, counters=self.counters)
+        group, device = control_group(process_group, self.device)  # off CPU, a CPU group: no host syncs
+        self.plane = ControlPlane(group, rank=self.rank, world_size=self.world_size, device=device,
+                                  timeout=config.timeout, counters=self.counters, data_device=self.device)
         self.store = store or BucketStore(self.params, self.names, world_size=self.world_size, caps=config.caps,
                                           reduce_dtype=config.reduce_dtype,
                                           gradient_as_bucket_view=config.gradient_as_bucket_view)
@@ -100,6 +106,8 @@ class Reducer:
         self._forward_end = time.perf_counter()
         self._armed = False  # the latest forward wanted its backward to synchronize
         self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
+        self.skips = UnusedBuckets(config.skip_all_reduce_unused_params)  # skip.py: buckets no rank uses
+        self.last_error: tuple[int, str] | None = None  # torch's logger keeps the latest error (torch_extras.py)
         self._warned_ignored = False
         self.layout = Layout(self.store, self.plane, process_group, config)
         self.auto_caps = AutoCaps(config.user_first_bucket_cap_mb, self) if config.auto_bucket_cap else None
@@ -175,9 +183,9 @@ class Reducer:
         if param.grad is not None:  # autograd may leave it undefined: that is not a use (torch agrees)
             self.window_used[i] = True
         if it.syncing:
-            it.t_ready = time.perf_counter()
-            self.layout.note_ready(i)
-            self._mark_ready(i)
+            if it.order is not None:  # Layout.note_ready
+                it.order.append(i)
+            self._mark_ready(i, hooked=True)
             if it.compiled_autograd and it.next_launch == len(self.store.buckets):
                 self._finalize()  # the last bucket launched: compiled autograd never runs queued callbacks
         else:
@@ -214,23 +222,34 @@ class Reducer:
         n = len(self.params)
         it.syncing, it.ready, it.hook_counts = True, [False] * n, [0] * n
         for b in self.store.buckets:
-            b.pending, b.handle = len(b.members), None
+            b.pending, b.handle, b.copied = len(b.members), None, 0
         if self.broken is None:
             self.plane.launch_header(BACKWARD)  # checked before the first bucket launches
         self.layout.begin_sync()
+        it.divide, it.static = self.launcher.divides_on_copy, self.config.static_graph
+        it.order = self.layout.ready_order
         if self.trace is not None:
             it.record = {"iteration": self.counters.sync, "backward_start": time.perf_counter(), "buckets": []}
+        self.skips.plan(self.store.buckets, self._may_skip())
         return self.expected.unused(n, self.config)
 
-    def _mark_ready(self, i: int, from_hook: bool = True) -> None:
+    def _mark_ready(self, i: int, from_hook: bool = True, hooked: bool = False) -> None:
+        """``hooked``: called from the gradient's hook (its time may be the backward's last gradient's)."""
         it = self.it
-        if not self.expected.ready_now(i, from_hook, it.ready, it.hook_counts, self.config, self.names[i]):
+        # without static_graph, ready_now only refuses a second gradient: not called for a first one
+        if (it.static or it.ready[i]) and not self.expected.ready_now(i, from_hook, it.ready, it.hook_counts,
+                                                                      self.config, self.names[i]):
+            if hooked:
+                it.t_ready = time.perf_counter()
             return
         it.ready[i] = True
-        self.store.copy_in(i, self.launcher.divides_on_copy)
-        bucket = self.store.buckets[self.store.bucket_of[i]]
+        store = self.store
+        store.copy_in(i, it.divide)
+        bucket = store.buckets[store.bucket_of[i]]
         bucket.pending -= 1
         if bucket.pending == 0:
+            if hooked:  # timed per bucket, not per gradient: the backward's last gradient completes its bucket
+                it.t_ready = time.perf_counter()
             if it.record is not None:
                 bucket.times = {"ready": time.perf_counter()}
             self._launch_ready()
@@ -260,7 +279,8 @@ class Reducer:
                 # one pass, no temporary: a bucket is up to 25 MiB
                 part = torch.linalg.vector_norm(buckets[it.next_launch].buffer.detach(), dtype=torch.float32).square()
                 it.norm2 = part if it.norm2 is None else it.norm2 + part
-            self.launcher.launch(buckets[it.next_launch], buckets, it.record is not None)
+            if it.next_launch not in self.skips.skipped:  # the same buckets on every rank (skip.py)
+                self.launcher.launch(buckets[it.next_launch], buckets, it.record is not None)
             it.next_launch += 1
 
     def drop_window(self) -> None:
@@ -284,6 +304,9 @@ class Reducer:
         try:
             if self.it.syncing:
                 self._finish_sync()
+        except Exception as exc:
+            self.last_error = messages.logged(exc)  # _get_ddp_logging_data()["error"], as torch's logger
+            raise
         finally:
             self.it.in_backward = self.it.syncing = False
 
@@ -332,12 +355,12 @@ class Reducer:
         if self.bucket_reduced is not None:  # overlap_optimizer: write back and step bucket by bucket
             self._write_back_as_reduced()
         else:
-            results = [self.launcher.result(b) for b in store.buckets]
+            results = self.skips.results(self.launcher, store.buckets)
         self.launcher.before_control([b.handle for b in store.buckets])
         # its own work, and every wait on the others: in its hooks (the header) and after its last gradient
         times = ((ready - self._forward_end - it.hook_wait) * 1e6, (time.perf_counter() - ready + it.hook_wait) * 1e6)
         norm2 = local_norm2(self) if self.measure_norm else None
-        control = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed,
+        control = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.plane.device, failed,
                                  (max(times[0], 0), times[1]), norm2)
         self.plane.wait(self.plane.launch_control(control), "the end-of-backward check")
         control = control.cpu()  # read once: every check below indexes it
@@ -349,6 +372,7 @@ class Reducer:
         self.failed_ranks = sorted(flags)
         if flags:  # a rank's backward failed part-way: reduce again without its window
             results = standin.reduce_again_without(self, flags)
+        results = self.skips.after_control(self, counts, results, self._may_skip())
         if self.config.check_finite and results is not None and not store.sharded:
             check_finite(results, [b.members for b in store.buckets], self.params, self.names)
         if graph_changed:
@@ -415,6 +439,10 @@ class Reducer:
         self.plane.drop_header()
         self.launcher.reset()
         self.store.reset()
+
+    def _may_skip(self) -> bool:
+        """Whether skip_all_reduce_unused_params may skip now: the same on every rank (skip.py)."""
+        return self.bucket_reduced is None and self.plane.active_ranks is None
 
     def _mark_unsynced(self) -> None:
         if self.world_size > 1:  # on one rank every gradient is already the global one

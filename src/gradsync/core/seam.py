@@ -32,6 +32,10 @@ class SyncTarget(Protocol):
         header completed), or None if they cannot be carried (the caller exchanges them itself)."""
 
 
+    def control_group(self) -> tuple[dist.ProcessGroup, Any]:
+        """The group and device for a layer's own small exchanges: the control plane's, a CPU group
+        when the gradients are on a device, so that nothing is read back from it."""
+
     def mark_micro_step(self) -> Any:
         """This rank's counters as a micro-step begins."""
 

@@ -17,6 +17,7 @@ import torch
 
 from .buckets import plan_buckets
 from .config import Caps
+from ._torch import foreach_copy_, foreach_div_
 from .control import check_grad
 from .main_grad import MainGrads
 
@@ -29,7 +30,19 @@ class Bucket:
     views: list[torch.Tensor]  # per-member views of ``buffer``, shaped like the parameters
     pending: int = 0  # members not ready yet in this synced backward
     handle: Any = None  # dist.Work (default path) or torch.futures.Future (hook path)
+    # ``copy_in`` with ``divide``: members copied in since the round began (the reducer zeroes it as a
+    # synced backward begins), how many of them were divided on the way, the slots left to divide
+    copied: int = 0
+    divided: int = 0
+    undivided: list[torch.Tensor] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)  # the comm trace's timestamps
+
+
+# A gradient of fewer elements is copied into its slot and divided with the bucket's other small slots
+# in one call once the bucket is complete (the slot is still in cache then); a larger one is divided
+# on its way in, one pass over its memory. A Python-issued division costs several microseconds of
+# overhead however small the tensor: on models of many small parameters that was most of the hook.
+SMALL_SLOT = 1 << 14
 
 
 def is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
@@ -62,6 +75,7 @@ class BucketStore:
         self.plan_order: list[int] | None = None  # rank 0's observed order, once re-planned
         self.buckets: list[Bucket] = []
         self.views: list[torch.Tensor] = []
+        self.view_ptrs: list[int] = []  # each view's data_ptr(): is ``.grad`` the view (is_view_of), read once
         self.bucket_of = [0] * len(params)
         self._build(plan_buckets(params, *caps))
         self.main = None
@@ -84,6 +98,7 @@ class BucketStore:
                 self.views[i] = views[-1]
                 self.bucket_of[i] = b
             self.buckets.append(Bucket(b, list(members), buffer, views))
+        self.view_ptrs = [v.data_ptr() for v in self.views]
         if old_views is None:
             return
         if self.main is not None:
@@ -117,7 +132,9 @@ class BucketStore:
     # ---------------------------------------------------------------- gradients in and out
     def copy_in(self, i: int, divide: bool) -> None:
         """Put parameter ``i``'s window gradient into its slot; ``divide``: average on the way, which
-        saves a pass over the bucket (no comm hook: the all-reduce then sums averages)."""
+        saves a pass over the bucket (no comm hook: the all-reduce then sums averages). Small slots
+        (``SMALL_SLOT``) and slots that already are ``.grad`` are divided together once the bucket's
+        last member is in: one division per bucket, the same values."""
         grad = self.params[i].grad
         view = self.views[i]
         if grad is not None and grad.requires_grad:  # backward(create_graph=True)
@@ -125,39 +142,60 @@ class BucketStore:
             grad = grad.detach()
         if self.main is not None:
             self.main.copy_in(i, divide)
-        elif grad is None:
+            return
+        now = False  # divided on its way in
+        if grad is None:
             view.zero_()
-        elif self.grad_as_view:
-            self._adopt_view(i, divide)
+        elif self.grad_as_view and grad.data_ptr() == self.view_ptrs[i]:  # is_view_of: divided in place later
+            pass
         else:
             check_grad(grad, view, self.names[i])
-            if divide:
+            if divide and view.numel() >= SMALL_SLOT:
                 torch.div(grad, self.world_size, out=view)
+                now = True
             else:
                 view.copy_(grad)
+            if self.grad_as_view:
+                self.params[i].grad = view
+        if divide:
+            self._divide_when_complete(self.buckets[self.bucket_of[i]], view, now, grad is None)
+
+    def _divide_when_complete(self, bucket: Bucket, view: torch.Tensor, divided: bool, zero: bool) -> None:
+        """Count a member in; once all are, divide what was not divided on the way: the whole buffer
+        when nothing was, else the slots left (zeroed slots need nothing)."""
+        if bucket.copied == 0:  # a new round: forget what an interrupted one left
+            bucket.divided, bucket.undivided = 0, []
+        bucket.copied += 1
+        if divided:
+            bucket.divided += 1
+        elif not zero:
+            bucket.undivided.append(view)
+        if bucket.copied < len(bucket.members):
+            return
+        if bucket.divided == 0:
+            bucket.buffer.div_(self.world_size)
+        elif bucket.undivided:
+            foreach_div_(bucket.undivided, self.world_size)
+        bucket.copied, bucket.divided, bucket.undivided = 0, 0, []
 
     def keep_local(self, i: int) -> None:
         """Unsynced backward: keep parameter ``i``'s gradient for the next synced one."""
         if self.main is not None:
             self.main.release_grad(i)
         elif self.grad_as_view:
-            self._adopt_view(i)
+            grad = self.params[i].grad
+            if grad is not None and grad.data_ptr() != self.view_ptrs[i]:  # not is_view_of (checked here: hot)
+                self._adopt_view(i)
 
-    def _adopt_view(self, i: int, divide: bool = False) -> None:
+    def _adopt_view(self, i: int) -> None:
         """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced)."""
-        p, view = self.params[i], self.views[i]
+        p = self.params[i]
         grad = p.grad
-        if grad is None:
+        if grad is None or grad.data_ptr() == self.view_ptrs[i]:  # is_view_of
             return
-        if is_view_of(grad, view):
-            if divide:
-                view.div_(self.world_size)
-            return
+        view = self.views[i]
         check_grad(grad, view, self.names[i])
-        if divide:
-            torch.div(grad.detach(), self.world_size, out=view)
-        else:
-            view.copy_(grad.detach())
+        view.copy_(grad.detach())
         p.grad = view
 
     @torch.no_grad()  # a create_graph backward runs this with grad mode on: record nothing
@@ -165,21 +203,31 @@ class BucketStore:
         """Make ``.grad`` the bucket's average; a parameter no rank used keeps its ``.grad`` (None stays None)."""
         if result is not bucket.buffer:
             bucket.buffer.copy_(result.reshape(bucket.buffer.shape))
-        for i, view in zip(bucket.members, bucket.views):
-            if self.main is not None:
-                self.main.fresh[i] = True  # the next gradient starts a new window
-            if counts[i] == 0:
-                continue
-            p = self.params[i]
-            if self.main is not None:
-                self.main.write_back(i, view)
-            elif self.grad_as_view:
-                if not is_view_of(p.grad, view):
-                    p.grad = view
-            elif p.grad is None:
-                p.grad = view.clone()
-            else:
-                p.grad.copy_(view)
+        params, main = self.params, self.main
+        if main is not None:
+            for i, view in zip(bucket.members, bucket.views):
+                main.fresh[i] = True  # the next gradient starts a new window
+                if counts[i]:
+                    main.write_back(i, view)
+        elif self.grad_as_view:
+            ptrs = self.view_ptrs
+            for i, view in zip(bucket.members, bucket.views):
+                if counts[i]:
+                    grad = params[i].grad
+                    if grad is None or grad.data_ptr() != ptrs[i]:  # not is_view_of
+                        params[i].grad = view
+        else:
+            grads, views = [], []  # the copies in one call
+            for i, view in zip(bucket.members, bucket.views):
+                if counts[i]:
+                    grad = params[i].grad
+                    if grad is None:
+                        params[i].grad = view.clone()
+                    else:
+                        grads.append(grad)
+                        views.append(view)
+            if grads:
+                foreach_copy_(grads, views)
 
     def drop_local(self) -> None:
         """Drop every local gradient (``.grad`` and, with ``reduce_dtype``, the window's slots)."""
@@ -209,6 +257,8 @@ class BucketStore:
 
     def reset(self) -> None:
         """The last backward raised before its end: drop what it left in flight."""
+        for b in self.buckets:
+            b.copied, b.divided, b.undivided = 0, 0, []
 
     def release(self) -> None:
         """The wrapper is gone."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.distributed as dist
 
+from . import messages
 from ._torch import disabled_join_config
 from .compile import bucket_bytes_caps
 
@@ -50,20 +51,40 @@ class TorchDDPExtras:
     def _set_static_graph(self) -> None:
         """Turn on ``static_graph`` after construction (torch's private API), before any backward."""
         if self.reducer.backward_count:
-            raise RuntimeError("gradsync: _set_static_graph() should be called before training loop starts "
-                               "(construct the wrapper with static_graph=True instead)")
+            self._log_and_throw(RuntimeError, "gradsync: _set_static_graph() should be called before training "
+                                "loop starts (construct the wrapper with static_graph=True instead)")
         if self.static_graph:
             warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
             return
         self.reducer.set_static_graph()
 
+    def _log_and_throw(self, err_type: type[Exception], err_msg: str) -> NoReturn:
+        """Raise ``err_type(err_msg)`` and keep it for ``_get_ddp_logging_data()`` (torch's private helper)."""
+        raise self._log_error(err_type(err_msg))
+
+    def _log_error(self, exc: Exception) -> Exception:
+        """Keep ``exc`` as the latest error of ``_get_ddp_logging_data()``; return it."""
+        self.reducer.last_error = messages.logged(exc, wrapper=True)
+        return exc
+
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         """A few of torch's logging fields (frameworks read it at teardown); gradsync runs no C++ logger.
 
-        ``can_set_static_graph`` is 0: gradsync does not analyse whether the graph was static.
+        As torch's: ``has_error`` (1) and ``error`` appear once the wrapper or its reducer raised (the
+        latest error: the wrapper's checks in torch's form ``"<class 'TypeError'>: ..."``, the reducer's
+        message as raised); ``num_buckets_reduced`` is the number of
+        buckets the latest synced backward reduced (fewer than ``num_buckets`` with
+        ``skip_all_reduce_unused_params``), absent before the first. ``can_set_static_graph`` is 0:
+        gradsync does not analyse whether the graph was static.
         """
         reducer = self.reducer
-        return {"world_size": self.world_size, "rank": reducer.rank, "backend_name": dist.get_backend(
+        data = {"world_size": self.world_size, "rank": reducer.rank, "backend_name": dist.get_backend(
                     self.process_group), "find_unused_parameters": int(self.find_unused_parameters),
                 "static_graph": int(self.static_graph), "gradient_as_bucket_view": int(self.gradient_as_bucket_view),
                 "num_buckets": len(reducer.buckets), "iteration": reducer.sync_count, "can_set_static_graph": 0}
+        if reducer.skips.reduced is not None:
+            data["num_buckets_reduced"] = reducer.skips.reduced
+        errors = [e for e in (reducer.last_error, reducer.expected.error) if e is not None]
+        if errors:
+            data["has_error"], data["error"] = 1, max(errors)[1]
+        return data

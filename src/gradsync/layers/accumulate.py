@@ -47,6 +47,8 @@ class GradientAccumulator(NoiseEstimates, Windows):
         super().__init__(steps, sync_each_batch, _device_of(model))
         self.model = model
         self._target = model if isinstance(model, SyncTarget) else None  # a gradsync wrapper
+        if self._target is not None:  # item counts ride its phase headers: on the CPU, never read back from a GPU
+            self._device = self._target.control_group()[1]
         # torch's DDP has the same switch (read at its forward) and a process group, not the rest
         self._switchable = hasattr(model, "require_backward_grad_sync")
         if self.sync_each_batch and getattr(getattr(model, "reducer", None), "membership", None) is not None:
@@ -239,8 +241,9 @@ class GradientAccumulator(NoiseEstimates, Windows):
             return []
         if self._target is None or self._world_size == 1:
             return [(0, step, reason) for step, reason in self._records]
-        return exchange_records(self._records, rank=dist.get_rank(self._group), world_size=self._world_size,
-                                group=self._group, device=self._device, wait=self._target.wait)
+        group, device = self._target.control_group()
+        return exchange_records(self._records, rank=dist.get_rank(group), world_size=self._world_size,
+                                group=group, device=device, wait=self._target.wait)
 
     # ---------------------------------------------------------------- skips
     def skip(self, reason: str = "skipped") -> None:

@@ -37,6 +37,8 @@ def classify(event) -> str | None:
         e = e.cpu_parent
     if callers and callers[0] in _COUNTED_ELSEWHERE:
         return None
+    if event.name == "aten::_foreach_copy_" and not callers:
+        return "write-back"  # gradsync without views: one batched copy per bucket (its dtype reads TensorList)
     dtypes = getattr(event, "input_dtypes", None) or [""]
     if dtypes[0] and not any(k in dtypes[0] for k in ("float", "double", "Half", "BFloat16", "complex")):
         return None  # integer tensors: the engines' control messages, not gradients

@@ -20,6 +20,7 @@ import os
 import platform
 import re
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -190,6 +191,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--device" or a.startswith("--device=") for a in argv):  # the GPU benchmark (gpu.py)
+        from . import gpu
+        return gpu.main(argv)
     from . import report as bench_report
     args = parse_args(argv)
     plan = quick_plan(args) if args.quick else full_plan(args)
