@@ -146,7 +146,7 @@ class BucketStore:
         now = False  # divided on its way in
         if grad is None:
             view.zero_()
-        elif self.grad_as_view and grad.data_ptr() == self.view_ptrs[i]:  # is_view_of: divided in place later
+        elif self.grad_as_view and self._is_slot(i, grad):  # divided in place later
             pass
         else:
             check_grad(grad, view, self.names[i])
@@ -184,14 +184,18 @@ class BucketStore:
             self.main.release_grad(i)
         elif self.grad_as_view:
             grad = self.params[i].grad
-            if grad is not None and grad.data_ptr() != self.view_ptrs[i]:  # not is_view_of (checked here: hot)
+            if grad is not None and not self._is_slot(i, grad):  # replaced by autograd: copy it in
                 self._adopt_view(i)
+
+    def _is_slot(self, i: int, grad: torch.Tensor) -> bool:
+        """``is_view_of(grad, self.views[i])``, from the view's data pointer read once at the build."""
+        return grad.data_ptr() == self.view_ptrs[i]
 
     def _adopt_view(self, i: int) -> None:
         """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced)."""
         p = self.params[i]
         grad = p.grad
-        if grad is None or grad.data_ptr() == self.view_ptrs[i]:  # is_view_of
+        if grad is None or self._is_slot(i, grad):
             return
         view = self.views[i]
         check_grad(grad, view, self.names[i])
@@ -210,11 +214,10 @@ class BucketStore:
                 if counts[i]:
                     main.write_back(i, view)
         elif self.grad_as_view:
-            ptrs = self.view_ptrs
             for i, view in zip(bucket.members, bucket.views):
                 if counts[i]:
                     grad = params[i].grad
-                    if grad is None or grad.data_ptr() != ptrs[i]:  # not is_view_of
+                    if grad is None or not self._is_slot(i, grad):
                         params[i].grad = view
         else:
             grads, views = [], []  # the copies in one call

@@ -55,6 +55,15 @@ def wrapper_options(owner: str, options: dict[str, Any], sharded: bool,
     return out
 
 
+def take_options(strategy: Any, base: type, kwargs: dict[str, Any], sharded: bool) -> dict[str, Any]:
+    """Remove from ``kwargs`` what is not an argument of Lightning's ``base`` strategy; return it
+    checked as gradsync's wrapper options (a ``TypeError`` names an unknown one)."""
+    owner = f"gradsync.lightning.{type(strategy).__name__}"
+    named = lightning_arguments(base)
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k not in named}
+    return wrapper_options(owner, options, bool(sharded), named + ["sharded"])
+
+
 def register_names(registry: Any, cls: type) -> None:
     """Register ``cls`` as ``"gradsync"`` and ``"gradsync_sharded"`` in a Lightning or Fabric registry."""
     registry.register("gradsync", cls, description="DDP with gradsync's DistributedDataParallel", override=True)

@@ -11,8 +11,8 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
 from .. import DistributedDataParallel
-from .options import (GradsyncBackwardSyncControl, lightning_arguments, rebind_scheduler, register_names,
-                      shard_optimizer, wrap, wrapper_options)
+from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer,
+                      take_options, wrap)
 
 
 class GradsyncStrategy(DDPStrategy):
@@ -29,10 +29,7 @@ class GradsyncStrategy(DDPStrategy):
     """
 
     def __init__(self, *args: Any, sharded: bool = False, **kwargs: Any) -> None:
-        owner = f"gradsync.lightning.{type(self).__name__}"
-        named = lightning_arguments(DDPStrategy)
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k not in named}
-        self._gradsync_options = wrapper_options(owner, options, bool(sharded), named + ["sharded"])
+        self._gradsync_options = take_options(self, DDPStrategy, kwargs, sharded)
         self._sharded = bool(sharded)
         super().__init__(*args, **kwargs)
         self._backward_sync_control = GradsyncBackwardSyncControl()
