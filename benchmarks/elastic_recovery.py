@@ -72,12 +72,12 @@ def worker(args: argparse.Namespace) -> None:
             return all_reduce(*a, **k)
         dist.all_reduce = counted
     if victim and args.point == "after_reductions":
-        membership = gradsync.layers.elastic.StoreMembership
+        membership = gradsync.elastic.membership.StoreMembership
         commit = membership.commit
         membership.commit = lambda self, sync: (die("after_reductions") if at("after_reductions", STEPS - 1)
                                                 else commit(self, sync))
     if not args.plain and args.victim < 0:  # time each vote: the store round trips membership adds
-        membership, votes = gradsync.layers.elastic.StoreMembership, []
+        membership, votes = gradsync.elastic.membership.StoreMembership, []
         commit = membership.commit
 
         def timed(self, sync):

@@ -16,7 +16,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from gradsync.core.store import BucketStore
+from gradsync.engine.store import BucketStore
 from gradsync.tools.bench import measure
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine, TorchViewsEngine
 from gradsync.tools.launch import run_ranks

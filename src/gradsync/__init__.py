@@ -1,16 +1,22 @@
 """gradsync: data-parallel gradient synchronization for PyTorch, in pure Python.
 
-``gradsync.core`` is the engine (buckets, reducer, comm hooks, the DDP wrapper, join);
-``gradsync.layers`` builds on it (accumulation, sharding, chunking); ``gradsync.tools`` holds the
-command line, demo, benchmarks and local launcher and is not imported here.
+``engine`` is one gradient's trip (buckets, the reducer, the launcher, the control plane);
+``ddp`` is torch's face on it (the wrapper, construction, ``replace_torch_ddp``, join, compile);
+``hooks`` is the comm-hook catalogue; ``accumulate``, ``sharded``, ``elastic``, ``chunked`` and
+``overlap`` are features on top; ``tools`` (command line, demo, benchmarks) is not imported here.
+docs/architecture.md walks through the tree.
 """
 from ._torch_range import UntestedTorchWarning, warn_if_untested
 
-warn_if_untested()  # before the core imports: a torch that breaks them still gets the warning first
+warn_if_untested()  # before the engine imports: a torch that breaks them still gets the warning first
 
-from .core import (DDP, DistributedDataParallel, GradBucket, SyncError, allreduce_hook, bf16_compress_hook,
-                   bf16_wire_hook, fp16_compress_hook, noop_hook, replace_torch_ddp)
-from .layers import Chunked, GradientAccumulator, ShardedDataParallel, ShardedOptimizer, overlap_optimizer
+from .engine.comm import GradBucket, allreduce_hook, bf16_compress_hook, bf16_wire_hook, fp16_compress_hook, noop_hook
+from .engine.control import SyncError
+from .ddp import DDP, DistributedDataParallel, replace_torch_ddp
+from .accumulate import GradientAccumulator
+from .chunked import Chunked
+from .overlap import overlap_optimizer
+from .sharded import ShardedDataParallel, ShardedOptimizer
 from . import elastic
 
 __version__ = "0.1.0"

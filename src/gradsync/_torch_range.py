@@ -1,7 +1,7 @@
 """The torch releases gradsync's test suite has passed on, and a warning at import outside them.
 
 gradsync drives torch's autograd engine and process groups partly through private APIs
-(core/_torch.py), which can change in any minor release; the range below is what was proven (the
+(_torch.py), which can change in any minor release; the range below is what was proven (the
 whole suite, benchmarks/results/torch-*-suite.md), not a guess. pyproject.toml's floor is
 TESTED_MIN; there is no ceiling there, so a newer torch installs and gets this warning instead.
 """

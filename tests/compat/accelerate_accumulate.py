@@ -143,7 +143,7 @@ def main() -> None:
             ("gradsync", loop_mean), ("gradsync", loop_tokens), ("gradsync", loop_num_items)]
     for mode, loop in runs:
         record = loop(mode)
-        record["replaced_after"] = gradsync.core.compat.is_torch_ddp_replaced()
+        record["replaced_after"] = gradsync.ddp.compat.is_torch_ddp_replaced()
         torch.save(record, out / f"{mode}-{record['loop']}-rank{rank}.pt")
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()

@@ -96,7 +96,7 @@ def train(mode: str, config: str, out: Path, rank: int) -> dict:
     record["isinstance_torch_ddp"] = isinstance(wrapped, torch.nn.parallel.DistributedDataParallel)
     record["global_step"] = trainer.state.global_step
     record["weights"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    record["replaced_after"] = gradsync.core.compat.is_torch_ddp_replaced()
+    record["replaced_after"] = gradsync.ddp.compat.is_torch_ddp_replaced()
     torch.save(record, out / f"{mode}-{config}-rank{rank}.pt")
     return record
 

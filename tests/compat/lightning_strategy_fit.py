@@ -112,7 +112,7 @@ def main() -> None:
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0)
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=False), ckpt_path=ckpt_path)
-    replaced = gradsync.core.compat.is_torch_ddp_replaced()
+    replaced = gradsync.ddp.compat.is_torch_ddp_replaced()
     (out_dir / f"rank{trainer.global_rank}.done").write_text(f"fit returned; torch ddp replaced: {replaced}\n")
 
 

@@ -62,7 +62,7 @@ def test_accelerate_prepare_builds_the_expected_class(torch_run, gradsync_run):
         assert r["ddp_class"] == "torch.nn.parallel.distributed.DistributedDataParallel"
         assert r["distributed_type"].endswith("MULTI_CPU")
     for r in gradsync_run:
-        assert r["ddp_class"] == "gradsync.core.compat.DistributedDataParallel"
+        assert r["ddp_class"] == "gradsync.ddp.compat.DistributedDataParallel"
         assert r["isinstance_torch_ddp"] and r["isinstance_gradsync"]
 
 

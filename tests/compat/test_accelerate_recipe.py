@@ -52,7 +52,7 @@ def test_accelerate_accumulate_on_gradsync_gives_torchs_weights(torch_run, grads
     assert expected["synced"] == [i == w - 1 for w in windows for i in range(w)]
     assert expected["optimizer_steps"] == 3
     for rank, r in enumerate(gradsync_run[loop]):
-        assert r["wrapped_in"] == "gradsync.core.compat.DistributedDataParallel" and r["isinstance_torch_ddp"]
+        assert r["wrapped_in"] == "gradsync.ddp.compat.DistributedDataParallel" and r["isinstance_torch_ddp"]
         assert not r["replaced_after"]  # the swap ended with the with-block around prepare()
         assert r["synced"] == expected["synced"] and r["optimizer_steps"] == expected["optimizer_steps"]
         assert_identical(r["weights"], expected["weights"], f"{loop}: gradsync rank {rank}")

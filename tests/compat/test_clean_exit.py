@@ -2,7 +2,7 @@
 
 Before the fix a rank died at exit with "terminate called without an active exception": gloo's
 worker thread dropped the last reference to a Work created in a backward and needed the GIL
-while the interpreter shut down (core/works.py). ``hold_gil`` makes that race likely: with the
+while the interpreter shut down (engine/works.py). ``hold_gil`` makes that race likely: with the
 old code 26 of 50 launches aborted (docs/reliability.md, "Clean exit"), so 9 launches all pass
 with probability about 0.1%. The full 50: ``make test-slow`` (or GRADSYNC_EXIT_RUNS=50).
 """

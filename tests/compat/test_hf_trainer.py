@@ -53,7 +53,7 @@ def test_trainer_wraps_the_model_in_gradsync(torch_runs, gradsync_runs):
         assert r["wrapped_in"] == "torch.nn.parallel.distributed.DistributedDataParallel"
     assert all(r["finished"] for r in torch_runs["plain"])
     for r in gradsync_runs["plain"] + gradsync_runs["static"]:
-        assert r["wrapped_in"] == "gradsync.core.compat.DistributedDataParallel", r.get("error")
+        assert r["wrapped_in"] == "gradsync.ddp.compat.DistributedDataParallel", r.get("error")
         assert not r["replaced_after"]  # the swap ended with the with-block
         assert r["isinstance_torch_ddp"] and r.get("finished"), r.get("traceback")
         assert r["global_step"] == 3

@@ -41,7 +41,7 @@ def test_lightning_wraps_the_model_in_gradsync(torch_fit, gradsync_fit):
     for r in torch_fit["ranks"]:
         assert r["wrapped_in"] == ("torch.nn.parallel.distributed.DistributedDataParallel", True)
     for r in gradsync_fit["ranks"]:
-        assert r["wrapped_in"] == ("gradsync.core.compat.DistributedDataParallel", True)
+        assert r["wrapped_in"] == ("gradsync.ddp.compat.DistributedDataParallel", True)
     assert torch_fit["returncode"] == 0 and torch_fit["done"], torch_fit["tail"]
 
 

@@ -74,8 +74,8 @@ def test_trainer_strategy_gradsync_gives_ddps_weights(fits):
     # 2 epochs of 10 micro-batches per rank, accumulate_grad_batches=4: windows 4, 4, 2 -> 6 steps
     torch_ranks = fits["ddp"]
     assert torch_ranks[0]["wrapped_in"] == ("torch.nn.parallel.distributed.DistributedDataParallel", True)
-    for mode, wrapper in (("gradsync", "gradsync.core.ddp.DistributedDataParallel"),
-                          ("part1_sharded", "gradsync.layers.sharded.ShardedDataParallel")):
+    for mode, wrapper in (("gradsync", "gradsync.ddp.wrapper.DistributedDataParallel"),
+                          ("part1_sharded", "gradsync.sharded.wrapper.ShardedDataParallel")):
         for r in fits[mode]:
             assert r["wrapped_in"] == (wrapper, False), r["wrapped_in"]  # built by the strategy, no class swap
             assert "torch ddp replaced: False" in r["done"]

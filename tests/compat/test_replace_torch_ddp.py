@@ -11,8 +11,8 @@ from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel as BoundAtImport  # Lightning's import style
 
 import gradsync
-from gradsync.core import compat
-from gradsync.core.reducer import Reducer
+from gradsync.engine import compat
+from gradsync.engine.reducer import Reducer
 from gradsync.tools.launch import run_ranks
 from helpers import assert_close_dicts, batches, grads, mlp, shard
 
@@ -66,7 +66,7 @@ def test_construction_through_torch_names_builds_gradsync():
     expected = grads(reference)
     for rank_result in results:
         for how, r in rank_result.items():
-            assert r["type"] == "gradsync.core.compat.DistributedDataParallel", how
+            assert r["type"] == "gradsync.ddp.compat.DistributedDataParallel", how
             assert r["gradsync"] and r["torch"] and r["torch via import"] and r["joinable"], (how, r)
             assert r["gradsync reducer"], how
             assert r["keys"] == ["module.0.bias", "module.0.weight"], how
@@ -167,7 +167,7 @@ def test_undo_restores_torch_exactly():
     assert torch_class_state() == before
 
     for inner_module, is_torch, is_sub, reducer_module, torch_grads in run_ranks(torch_after_undo, 2, timeout=60):
-        assert inner_module == "gradsync.core.compat"
+        assert inner_module == "gradsync.ddp.compat"
         assert is_torch and is_sub and reducer_module.startswith("torch")
     x, y = batches(1, 2)[0]
     ref = mlp(seed=0)
@@ -184,7 +184,7 @@ def one_line_swap(rank, world_size):
 
 
 def test_one_line_class_swap_trains():
-    # core/compile.py looked torch's class up through that name, so every forward raised
+    # ddp/compile.py looked torch's class up through that name, so every forward raised
     # AttributeError: type object 'DistributedDataParallel' has no attribute '_active_ddp_module'
     results = run_ranks(one_line_swap, 2)
     assert_close_dicts(results[0], results[1], atol=0, rtol=0)

@@ -239,8 +239,8 @@ def table(torch_run: dict, gradsync_run: dict) -> str:
         'tests match one of torch\'s sentences ("Communication hook must be callable.", "register_comm_hook or',
         'register_builtin_comm_hook can only be called once.", "Your training graph has changed in this',
         'iteration"), gradsync\'s message contains it, and `_get_ddp_logging_data()` keeps the latest error',
-        "(`has_error`, `error`) and `num_buckets_reduced` as torch's does: `tests/core/test_torch_messages.py`,",
-        '`tests/core/test_skip_unused.py`.',
+        "(`has_error`, `error`) and `num_buckets_reduced` as torch's does: `tests/ddp/test_torch_messages.py`,",
+        '`tests/engine/test_skip_unused.py`.',
         "",
         f"**{len(ran)} run on CPU; torch passes {len(passed_t)}, gradsync passes {len(passed_g)}** "
         f"(both runs: {torch_run.get('seconds', '?')} s and {gradsync_run.get('seconds', '?')} s). "

@@ -8,8 +8,7 @@ from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.registry import _StrategyRegistry
 
 from .. import DistributedDataParallel, ShardedDataParallel
-from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer,
-                      take_options, wrap)
+from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer, take_options, wrap)
 
 
 class GradsyncFabricStrategy(DDPStrategy):

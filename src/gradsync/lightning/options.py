@@ -10,7 +10,7 @@ import torch
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
 
 from .. import DistributedDataParallel, ShardedDataParallel, ShardedOptimizer
-from ..core.config import resolve_reduce_dtype
+from ..engine.config import resolve_reduce_dtype
 
 # Set by the strategy itself (Lightning passes device_ids; the module is the LightningModule).
 _SET_BY_STRATEGY = {"module": "the model Lightning wraps", "device_ids": "the Trainer's/Fabric's devices"}

@@ -11,8 +11,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
 from .. import DistributedDataParallel
-from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer,
-                      take_options, wrap)
+from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer, take_options, wrap)
 
 
 class GradsyncStrategy(DDPStrategy):

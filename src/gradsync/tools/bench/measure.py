@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from gradsync.core.telemetry import chrome_trace
+from gradsync.engine.telemetry import chrome_trace
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 from .breakdown import breakdown

@@ -1,0 +1,239 @@
+"""Every private torch API gradsync uses, bound once, each with what breaks without it.
+
+Nothing else in gradsync names a torch attribute that starts with an underscore (tests/test_layout.py
+checks). Torch's classes and functions are bound here at import, so a user's assignment
+(``torch.nn.parallel.DistributedDataParallel = gradsync.DistributedDataParallel``) or a
+framework's patch of a namespace cannot change what gradsync calls. Checked on torch 2.13.0
+(development pin) and 2.14.1 (``make test-torch-next``) unless an entry says otherwise; 2.13 is the
+declared floor, the oldest release the suite has passed on (gradsync/_torch_range.py warns outside
+the tested range).
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel.distributed import DistributedDataParallel as TORCH_DDP
+
+# torch's DDP class itself (not whatever ``torch.nn.parallel.DistributedDataParallel`` names at call
+# time). Dynamo reads the active module from this class; compat.py redirects its constructor.
+TorchDDP = TORCH_DDP
+
+# torch.futures.Future's C base: a Work's ``get_future()`` returns this type, not the Python subclass.
+Future = torch._C.Future
+
+_engine = torch.autograd.Variable._execution_engine
+
+
+def is_future(handle: Any) -> bool:
+    """True for a future (a comm hook's result), False for a ``dist.Work``."""
+    return isinstance(handle, Future)
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the autograd engine finishes the current backward (torch's reducer
+    does the same in C++). Without it the end of backward is never seen and nothing is reduced.
+    Compiled autograd never runs such callbacks: see ``in_compiled_autograd``."""
+    _engine.queue_callback(callback)
+
+
+def in_compiled_autograd() -> bool:
+    """True while compiled autograd runs a backward (its engine skips queued callbacks)."""
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    return ca is not None and ca.in_compiled_autograd_region
+
+
+def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta:
+    """The process group's own timeout for ``device``'s backend, else torch's default.
+
+    Without it ``timeout=None`` would fall back to torch's 30-minute default even when the
+    group was created with a shorter one."""
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return dist.default_pg_timeout
+
+
+def default_first_bucket_bytes() -> int:
+    """torch's first-bucket cap (1 MiB since torch 1.x); 1 MiB where distributed is unavailable."""
+    return getattr(dist, "_DEFAULT_FIRST_BUCKET_BYTES", 1024 * 1024) if dist.is_available() else 1024 * 1024
+
+
+@contextlib.contextmanager
+def active_ddp_module(module: Any, first_bucket_bytes: int) -> Iterator[None]:
+    """Inside, Dynamo's DDP optimizer splits compiled graphs at ``module.bucket_bytes_cap``
+    (``torch/_dynamo/convert_frame.py`` reads ``TorchDDP._get_active_ddp_module()``) with
+    ``first_bucket_bytes`` as the first cap (``backends/distributed.py`` reads torch's default).
+    Without it a compiled backward is one graph and every bucket launches after it: no overlap."""
+    old, old_first = TORCH_DDP._active_ddp_module, dist._DEFAULT_FIRST_BUCKET_BYTES
+    TORCH_DDP._active_ddp_module, dist._DEFAULT_FIRST_BUCKET_BYTES = module, first_bucket_bytes
+    try:
+        yield
+    finally:
+        TORCH_DDP._active_ddp_module, dist._DEFAULT_FIRST_BUCKET_BYTES = old, old_first
+
+
+def dynamo_skip_dirs() -> list[str] | None:
+    """Dynamo's list of skipped source directories, or None before ``torch._dynamo`` was imported.
+
+    Entries added here make Dynamo run those files eagerly, as it runs torch's own DDP wrapper;
+    without it Dynamo traces the wrapper, and its counters become guards that recompile at every
+    switch between ``no_sync`` and synced micro-steps."""
+    rules = sys.modules.get("torch._dynamo.trace_rules")
+    return None if rules is None else rules.SKIP_DIRS
+
+
+def skip_dir_of(module_name: str) -> str | None:
+    """The directory (or file) Dynamo's ``trace_rules.add`` would skip for ``module_name``."""
+    from importlib.util import find_spec
+    spec = find_spec(module_name)
+    if spec is None or spec.origin is None:
+        return None
+    origin = spec.origin
+    return origin[: -len("__init__.py")] if origin.endswith("__init__.py") else origin
+
+
+def recompile_skip_rules() -> None:
+    """Dynamo caches a regex of SKIP_DIRS: rebuild it after a change."""
+    sys.modules["torch._dynamo.trace_rules"]._recompile_re()
+
+
+def dynamo_frame_callback_set() -> bool:
+    """True inside ``torch.compile``'s tracing or a compiled callable (Dynamo's frame callback is set)."""
+    ef = getattr(sys.modules.get("torch._C._dynamo"), "eval_frame", None)
+    return ef is not None and ef.get_eval_frame_callback() not in (None, False)
+
+
+def torch_function_stack() -> list[Any]:
+    """The torch-function modes now active, innermost last (torch >= 2.2)."""
+    return [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())]
+
+
+def push_torch_function_mode(mode: Any) -> None:
+    """Push ``mode`` on this thread's torch-function stack without a ``with`` block (it is popped
+    later, from another call: ``pop_torch_function_mode``)."""
+    torch._C._push_on_torch_function_stack(mode)
+
+
+def pop_torch_function_mode(mode: Any) -> bool:
+    """Pop ``mode`` if it is the innermost torch-function mode; return whether it was."""
+    n = torch._C._len_torch_function_stack()
+    if n and torch._C._get_function_stack_at(n - 1) is mode:
+        torch._C._pop_torch_function_stack()
+        return True
+    return False
+
+
+def torch_function_disabled() -> bool:
+    """True under ``torch._C.DisableTorchFunction`` (modes do not run)."""
+    return torch._C._is_torch_function_all_disabled()
+
+
+def functional_call_code() -> Any:
+    """The code object of ``torch.func.functional_call``'s worker, to find it on the stack (it swaps
+    parameters for one call; without this the swap looks like a replaced parameter and raises)."""
+    from torch.nn.utils import stateless
+    return stateless._functional_call.__code__
+
+
+def disabled_join_config() -> Any:
+    """torch's ``_JoinConfig`` for "no join in progress" (``Joinable`` reads ``_join_config``)."""
+    from torch.distributed.algorithms.join import _JoinConfig
+    return _JoinConfig.construct_disabled_join_config()
+
+
+def device_index(device: Any) -> int:
+    """torch's parsing of a ``device_ids`` entry (int, str or device) into an index."""
+    from torch._utils import _get_device_index
+    return _get_device_index(device, True)
+
+
+def foreach_mul_(tensors: list[torch.Tensor], factor: Any) -> None:
+    """Multiply ``tensors`` in place in one kernel launch per device and dtype."""
+    torch._foreach_mul_(tensors, factor)
+
+
+def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """``dst[k].copy_(src[k])`` for every k in one call (a bucket's write-back: one Python call, not
+    one per parameter). Without it: the same copies one by one, slower on models of many parameters."""
+    torch._foreach_copy_(dst, src)
+
+
+def foreach_div_(tensors: list[torch.Tensor], divisor: int) -> None:
+    """``t.div_(divisor)`` for every tensor in one call (a bucket's small gradient slots, divided
+    together). Without it: the same divisions one by one."""
+    torch._foreach_div_(tensors, divisor)
+
+
+def storage_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` is a view of, or ``t`` itself (to return a whole buffer to a pool)."""
+    return t._base if t._base is not None else t
+
+
+def version(t: torch.Tensor) -> int:
+    """The in-place modification counter of ``t`` (tells a ``.grad`` the user changed from ours)."""
+    return t._version
+
+
+def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
+    """True when ``grad_fn`` is a mean over more than ``numel`` elements, or a loss with
+    ``reduction='mean'`` (at::Reduction 1). Only warns: a False costs a missed warning."""
+    if grad_fn is None:
+        return False
+    if type(grad_fn).__name__ in ("MeanBackward0", "MeanBackward1"):
+        return getattr(grad_fn, "_saved_self_sym_numel", 0) > numel
+    return getattr(grad_fn, "_saved_reduction", None) == 1
+
+
+__all__ = ["BatchNormBase", "Future", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
+           "device_index",
+           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_copy_", "foreach_div_", "foreach_mul_",
+           "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
+           "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
+           "storage_base", "torch_function_disabled", "torch_function_stack", "version"]
+
+
+def to_kwargs(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    """Move a forward's inputs to ``device`` as torch's single-device DDP does (streams included)."""
+    from torch.distributed.utils import _to_kwargs
+    moved, moved_kwargs = _to_kwargs(inputs, kwargs, device, True)
+    return moved[0], moved_kwargs[0]
+
+
+# The base class of BatchNorm1d/2d/3d and SyncBatchNorm (running statistics change per call):
+# Chunked refuses to split such a module, whose chunked statistics would differ from one call's.
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
+
+
+def is_registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` is still one of torch's live process groups (not destroyed or detached)."""
+    return group in dist.distributed_c10d._world.pg_map
+
+
+def detach_default_group() -> Any:
+    """Unregister torch's default process group without shutting it down; return it (or None).
+
+    Elastic membership (``elastic/membership.py``) replaces the default group when a member leaves.
+    ``destroy_process_group`` would shut the old group down, which joins its worker threads, and a
+    thread whose collective waits on a member that stopped sending blocks until gloo's timeout. The
+    caller keeps the returned group referenced so that its destructor does not run either."""
+    if not dist.is_initialized():
+        return None
+    c10d = dist.distributed_c10d
+    pg = c10d._get_default_group()
+    c10d._update_default_pg(None)
+    world = c10d._world
+    for table in (world.pg_map, world.pg_names, world.pg_group_ranks, world.pg_backend_config,
+                  world.pg_to_tag, world.pg_coalesce_state):
+        table.pop(pg, None)
+    for groups in world.tags_to_pg.values():
+        if pg in groups:
+            groups.remove(pg)
+    c10d._unregister_process_group(pg.group_name)
+    world.group_count = 0  # the next default group gets the name a fresh process would give it
+    return pg

@@ -1,0 +1,329 @@
+"""Gradient accumulation in windows of micro-steps: when to communicate, when to step, how to scale.
+
+Two facts are kept apart on purpose: whether a micro-step *communicates* (``sync_gradients``) and
+whether it *closes a window* so the optimizer and scheduler step (``is_boundary``). The model's
+sync switch (``require_backward_grad_sync``) is read when backward runs, so ``accumulate()`` sets
+it for the whole micro-step. The accumulator only needs that switch, ``scale_grads_(factor)``,
+``process_group`` and, from a gradsync wrapper, the ``SyncTarget`` methods of ``ddp/seam.py``
+(bounded waits, a value carried in the next phase header), so any gradsync wrapper (and torch's
+own DistributedDataParallel, or a plain module on one process) works.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._torch import foreach_mul_
+from ..engine.control import SyncError
+from ..ddp.seam import SyncTarget
+from ..elastic.join import at_boundary
+from .noise import NoiseEstimates, NoiseScale
+from .normalize import ITEMS, MEAN, TAG, as_count, check_kinds, is_mean, window_factor, without_failed
+from .skips import SkipMicroStep, check_skip_on, exchange_records, reason_of, skippable
+from .optim import WindowOptimizer, WindowScheduler
+from .windows import Windows
+
+
+
+class GradientAccumulator(NoiseEstimates, Windows):
+    """Accumulate gradients over windows of ``steps`` micro-steps, communicating once per window.
+
+    Inside a window the model runs without communication; the micro-step that closes it syncs
+    (every micro-step syncs with ``sync_each_batch=True``, which trades communication for not
+    holding unreduced gradients, but the optimizer still steps only at window ends).
+    """
+
+    def __init__(self, model: nn.Module, steps: int, sync_each_batch: bool = False, *,
+                 skip_on: Any = (), skip_nonfinite: bool = False, noise_scale: bool = False):
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"gradsync: GradientAccumulator needs an nn.Module, got {type(model).__name__}")
+        super().__init__(steps, sync_each_batch, _device_of(model))
+        self.model = model
+        self._target = model if isinstance(model, SyncTarget) else None  # a gradsync wrapper
+        if self._target is not None:  # item counts ride its phase headers: on the CPU, never read back from a GPU
+            self._device = self._target.control_group()[1]
+        # torch's DDP has the same switch (read at its forward) and a process group, not the rest
+        self._switchable = hasattr(model, "require_backward_grad_sync")
+        if self.sync_each_batch and getattr(getattr(model, "reducer", None), "membership", None) is not None:
+            raise ValueError("gradsync: sync_each_batch=True with elastic membership: a replica that dies mid-window "
+                             "leaves its synced micro-steps in the survivors' gradients, so the window could not be "
+                             "the exact mean over what the survivors kept. Use sync_each_batch=False")
+        if self._target is not None and hasattr(model, "reducer"):  # names the window in membership events
+            window_of = weakref.WeakMethod(self._window_of)
+            model.reducer.window_source = lambda: window_of()() if window_of() is not None else None
+        self._warned_mean = False
+        # skips (skips.py): a micro-step that ends early on one rank costs that micro-step only
+        self.skip_on, self.skip_nonfinite = check_skip_on(skip_on), bool(skip_nonfinite)
+        if (self.skip_on or self.skip_nonfinite) and self._world_size > 1 and self._target is None:
+            raise ValueError("gradsync: skip_on and skip_nonfinite need a gradsync model on several ranks (it "
+                             f"replays a skipped micro-step's collectives); got {type(model).__name__}")
+        self.wrapped_optimizers: list[Any] = []  # sent to a replica that joins (elastic_join.py)
+        self.wrapped_schedulers: list[Any] = []
+        self._boundary_done = -1  # the window boundary at_window_start() last ran at
+        # the gradient noise scale (noise.py) and the window's gradient norm
+        self._noise = NoiseScale() if noise_scale else None
+        if noise_scale and self._target is not None:
+            if getattr(model, "sharded", False):
+                raise ValueError("gradsync: noise_scale=True needs every rank's whole window gradient, which "
+                                 "ShardedDataParallel does not keep; use DistributedDataParallel")
+            self._target.measure_local_norms()
+        self._first: tuple[float, float] | None = None  # one rank: the window's first micro-step (|G|^2, batch)
+        self._grad_norm: float | None = None
+        self._started = False  # this micro-step's backward began
+        self._pending_carry: Any = None  # the reader of what this micro-step's backward carries
+        self._mark: Any = None
+
+    def _window_of(self) -> tuple[int, int] | None:
+        """(windows started, micro-steps planned for the current one): names a membership event's window."""
+        return (self.windows, self._window_len) if self.windows else None
+
+    # read at each use: elastic membership (elastic/membership.py) changes the model's group
+    @property
+    def _group(self) -> Any:
+        return (getattr(self.model, "process_group", None) or dist.group.WORLD) if self._switchable else None
+
+    @property
+    def _world_size(self) -> int:
+        return dist.get_world_size(self._group) if self._switchable else 1
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """Run one micro-step: no communication inside a window unless ``sync_each_batch``."""
+        if self._active:
+            raise RuntimeError("gradsync: accumulate() is already active; each micro-step enters it once "
+                               "(do not nest accumulate() blocks)")
+        if self._boundary:
+            self.at_window_start()
+            self._start_window()
+            self._grad_norm, self._first = None, None
+            if self._short_by and self._target is not None:
+                self._target.advance_counters(self._short_by)
+        self._position += 1
+        self._boundary = self._position >= self._window_len or self._end_of_data
+        self._end_of_data = False
+        self._active, self._backward_done, self._started = True, False, False
+        previous = self.model.require_backward_grad_sync if self._switchable else None
+        if self._switchable:
+            self.model.require_backward_grad_sync = self.sync_gradients
+        self._mark = self._target.mark_micro_step() if self._target is not None else None
+        try:
+            yield
+        except BaseException as exc:
+            if not skippable(exc, self.skip_on):
+                raise
+            self._skipped_here(exc)
+        finally:
+            self._active = False
+            if self._switchable:
+                self.model.require_backward_grad_sync = previous
+
+    def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None) -> None:
+        """With ``num_items=n``, ``loss`` must be the SUM over ``n`` local items; without it, a mean.
+
+        Back-propagates ``loss`` scaled so that a window's gradient equals one big batch's. With
+        ``num_items`` the window's gradient is the mean over every item of every micro-step on every
+        rank; a mean loss there would make it ``n`` times too small (warned once where the loss
+        visibly comes from a mean reduction).
+        """
+        if not self._active:
+            raise RuntimeError("gradsync: acc.backward() must run inside `with acc.accumulate():` (the "
+                               "accumulator needs to know which micro-step of the window this is)")
+        if self._started:
+            raise RuntimeError("gradsync: acc.backward() was already called in this micro-step; add the "
+                               "losses and call backward once per accumulate() block")
+        if self.skip_nonfinite and not bool(torch.isfinite(loss.detach()).all()):
+            raise SkipMicroStep(f"non-finite loss ({float(loss.detach().float().sum()):g})")
+        kind = MEAN if num_items is None else ITEMS
+        count = None if num_items is None else as_count(num_items, self._device)
+        if self._kind is None:
+            self._kind = kind
+        elif kind != self._kind:
+            raise RuntimeError(f"gradsync: this window mixes backward with {self._kind} and with "
+                               f"{kind}; use one kind for every micro-step of a window (pass num_items "
+                               "on every call, or on none)")
+        if kind == ITEMS:
+            if not self._warned_mean and is_mean(loss):
+                self._warned_mean = True
+                warnings.warn("gradsync: acc.backward(loss, num_items=n) got a loss that is a mean, but it "
+                              "must be the sum over the n items, or the gradient comes out n times too "
+                              "small; pass the sum over the items, e.g. reduction='sum', or call "
+                              "acc.backward(loss) without num_items", UserWarning, stacklevel=2)
+            self._backward_items(loss, count)
+            return
+        unit = self._unit()
+        carried = self._pending_carry = self._carry(self._units + unit)
+        self._started = True
+        if self._weights is not None:
+            (loss * self._weights[self._position - 1]).backward()
+        else:
+            (loss / self._scale_len).backward()
+        self._note_first(None)
+        self._ran_here(unit)
+        if self._boundary:
+            self._close(carried)
+
+    def _backward_items(self, loss: torch.Tensor, count: torch.Tensor) -> None:
+        items = count if self._items is None else self._items + count
+        work = None
+        # gradsync's DDP carries the count in the synced backward's phase header: no collective
+        # of its own that could pair with a different one on a rank that disagrees about the window
+        unit = self._unit()
+        carried = self._pending_carry = self._carry(self._units + unit, float(items))
+        if self._boundary and self._world_size > 1 and carried is None:
+            # Launched before backward on every rank, so it overlaps the backward and pairs up
+            # with the same collective on the other ranks ahead of the gradient buckets.
+            total = items.clone()
+            work = (dist.all_reduce(total, group=self._group, async_op=True), total)
+        self._started = True
+        loss.backward()
+        self._note_first(count)
+        self._items = items
+        self._ran_here(unit)
+        if self._boundary:
+            self._close(carried, work)
+
+    def _unit(self) -> int:
+        """This micro-step's share of the window's loss: one micro-step, or its rows in a split() window."""
+        return 1 if self._weights is None else self._rows[self._position - 1]
+
+    def _ran_here(self, unit: int) -> None:
+        self._backward_done = True
+        self._ran.append(self._position)
+        self._units += unit
+
+    def _carry(self, units: int, count: float = 0.0) -> Any:
+        """At a window's synced backward, send this rank's kind of window, item count, loss units that
+        ran and number of skips in its phase header; return the reader of every active rank's, or None
+        where nothing is carried."""
+        if not (self._boundary and self._world_size > 1 and self._target is not None):
+            return None
+        return self._target.carry_with_next_sync((TAG[self._kind], count, float(units), float(len(self._records))))
+
+    def _close(self, carried: Any, work: Any = None) -> None:
+        """The window's synced backward is done: rescale so that the window's gradient is the mean
+        over what ran on every rank (items, or loss units: micro-steps or rows), note the skips."""
+        rows = carried() if carried is not None else None
+        if carried is not None and rows is None:
+            raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
+                               "parameter got one), so the item counts were not exchanged; every "
+                               "window must end with a backward through the model")
+        if rows is None:  # one rank, or no header: every rank is taken to have run what this one did
+            w = self._world_size
+            total = float(self._items) if work is None and self._items is not None else None
+            if work is not None:
+                self._wait(work[0])
+                total = float(work[1])
+            rows = {0: (TAG[self._kind], total or 0.0, float(w * self._units), float(len(self._records)))}
+        rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
+        check_kinds(rows, self.windows)
+        self.skipped = self._gather_skips(rows)
+        expected = self._scale_len if self._weights is None else sum(self._rows)
+        factor = window_factor(rows, self._world_size, expected, bool(self.skipped))
+        if factor is None:
+            self.window_empty = True
+            warnings.warn(f"gradsync: every micro-step of window {self.windows} was skipped on every rank "
+                          f"({len(self.skipped)} skips); the optimizer and scheduler do not step for it",
+                          UserWarning, stacklevel=4)
+            return
+        self._scale(factor)
+        if self._noise is not None:
+            self._observe_noise(rows)
+
+    def _gather_skips(self, rows: dict[int, tuple[float, ...]]) -> list[tuple[int, int, str]]:
+        if not any(row[3] for row in rows.values()):
+            return []
+        if self._target is None or self._world_size == 1:
+            return [(0, step, reason) for step, reason in self._records]
+        group, device = self._target.control_group()
+        return exchange_records(self._records, rank=dist.get_rank(group), world_size=self._world_size,
+                                group=group, device=device, wait=self._target.wait)
+
+    # ---------------------------------------------------------------- skips
+    def skip(self, reason: str = "skipped") -> None:
+        """End this micro-step on this rank: it contributes nothing, and the window's gradient is the
+        exact mean over what ran on every rank. Call it inside ``accumulate()``, before ``backward``."""
+        if not self._active:
+            raise RuntimeError("gradsync: acc.skip() must run inside `with acc.accumulate():`")
+        if self._backward_done:
+            raise RuntimeError("gradsync: acc.skip() after acc.backward(): this micro-step's gradient is "
+                               "already in the window; skip before the backward")
+        raise SkipMicroStep(str(reason))
+
+    def _skipped_here(self, exc: BaseException) -> None:
+        """This micro-step ended early (``exc``): record it and run what the other ranks run in it."""
+        if self._backward_done:  # the backward completed: its gradient is in, so this is no skip
+            raise exc
+        step = self._position - 1
+        self._records.append((step, reason_of(exc)))
+        # before the stand-in's synced backward, whose header carries it
+        carried = self._carry(self._units, float(self._items) if self._items is not None else 0.0)
+        try:
+            # with sync_each_batch the window already holds synced gradients after its first micro-step
+            again = not (self.sync_each_batch and len(self._ran) > 0)
+            status = self._target.stand_in(self._mark, self.sync_gradients, again) if self._target is not None \
+                else ("dropped" if self._started else "replayed")
+        except SyncError as failed:  # a synced backward failed part-way and could not be reduced again
+            raise failed from exc
+        if status == "resynced":  # the header went with the failed backward: read what it carried
+            self._target.carry_with_next_sync(())
+            carried = self._pending_carry
+        if status != "replayed":  # a backward failed part-way: its partial gradients went with the window
+            if self._target is None:
+                for p in self.model.parameters():
+                    p.grad = None
+            self._records += [(k - 1, f"dropped with micro-step {step}: its backward failed part-way")
+                              for k in self._ran]
+            self._ran, self._units, self._items = [], 0, None
+        if self._boundary:
+            self._close(carried)
+
+    def _scale(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        if self._target is not None:
+            self._target.scale_grads_(factor)
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            foreach_mul_(grads, factor)
+
+    def _wait(self, work: Any) -> None:
+        if self._target is not None:
+            self._target.wait(work, "the all-reduce of the window's item count")
+        else:
+            work.wait()
+
+    # ---------------------------------------------------------------- wrappers
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """Return ``optimizer`` whose ``step()``/``zero_grad()`` act only where a window ends.
+
+        ``zero_grad()`` never clears the window in progress, so it may also sit at the top of the loop.
+        """
+        self.wrapped_optimizers.append(WindowOptimizer(optimizer, self))
+        return self.wrapped_optimizers[-1]
+
+    def wrap_scheduler(self, scheduler: Any) -> Any:
+        """Return ``scheduler`` whose ``step()`` acts once per window, at its end."""
+        self.wrapped_schedulers.append(WindowScheduler(scheduler, self))
+        return self.wrapped_schedulers[-1]
+
+    # ---------------------------------------------------------------- elastic membership
+    def at_window_start(self) -> None:
+        """Between windows: admit replicas waiting to join, or join if this replica arrived late
+        (``elastic_join.py``); once per boundary, and nothing without elastic membership."""
+        if self._boundary and not self._active and self._boundary_done != self.windows:
+            at_boundary(self)
+            self._boundary_done = self.windows
+
+
+def _device_of(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")

@@ -1,0 +1,100 @@
+"""The gradient noise scale B_simple = tr(Sigma) / |G|^2 (McCandlish et al., 2018) from what the reducer sees.
+
+A gradient averaged over B samples has E|G_B|^2 = |G|^2 + tr(Sigma) / B. Two batch sizes give two
+unbiased estimates: the small one is each rank's window before the reduction (its squared norm rides
+in the end-of-backward control, ``engine/telemetry.py``), the big one the reduced window. With ranks
+of different sizes B_r (uneven item counts) the estimate of tr(Sigma) sums every rank's equation:
+sum_r (|G_r|^2 - |G_big|^2) / sum_r (1/B_r - 1/B_big), unbiased; |G|^2 = |G_big|^2 - tr(Sigma)/B_big.
+On one rank the small batch is the window's first micro-step. ``value`` is the ratio of the running
+means of the two terms over every window so far, the same on every rank.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .normalize import ITEMS
+
+
+class NoiseScale:
+    def __init__(self) -> None:
+        self.trace_sum = self.norm2_sum = 0.0
+        self.windows = 0
+
+    @staticmethod
+    def estimate(small: list[tuple[float, float]], big_norm2: float, big_batch: float) -> tuple[float, float] | None:
+        """``small``: (|G_small|^2, B_small) pairs; return this window's unbiased (tr(Sigma), |G|^2), or None."""
+        pairs = [(g2, b) for g2, b in small if 0 < b < big_batch]
+        if not pairs:
+            return None
+        trace = sum(g2 - big_norm2 for g2, _ in pairs) / sum(1 / b - 1 / big_batch for _, b in pairs)
+        return trace, big_norm2 - trace / big_batch
+
+    def add(self, trace: float, norm2: float) -> None:
+        self.trace_sum += trace
+        self.norm2_sum += norm2
+        self.windows += 1
+
+    @property
+    def value(self) -> float | None:
+        """B_simple in the unit of the batch sizes given (items, or micro-batches); None at first."""
+        return self.trace_sum / self.norm2_sum if self.windows and self.norm2_sum > 0 else None
+
+
+class NoiseEstimates:
+    """The accumulator's noise scale and gradient norm (a mixin of ``GradientAccumulator``)."""
+
+    @property
+    def noise_scale(self) -> float | None:
+        """B_simple = tr(Sigma) / |G|^2 (noise.py), in items (num_items) or micro-batches, over every
+        window so far; the same on every rank. None until a window gave an estimate (or noise_scale=False)."""
+        return None if self._noise is None else self._noise.value
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The closed window's global gradient norm (as ``clip_grad_norm_`` computes it); read it after the
+        window's optimizer step and before ``zero_grad()``. None inside a window."""
+        if self._grad_norm is None and self._boundary and not self._active and self.windows:
+            self._grad_norm = self._norm2() ** 0.5
+        return self._grad_norm
+
+    def _norm2(self) -> float:
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) ** 2)
+
+    def _note_first(self, count: Any) -> None:
+        """One rank: the window's first micro-step is the small batch (its gradient alone is in .grad now);
+        ``count``: its item count (num_items), or None for a mean loss (one micro-batch, scaled 1/scale_len)."""
+        if self._noise is None or self._position != 1 or self._world_size != 1 or self._weights is not None:
+            return
+        batch = 1.0 if count is None else float(count)
+        if batch > 0:
+            scale = self._scale_len if count is None else 1.0 / batch
+            self._first = (self._norm2() * scale ** 2, batch)
+
+    def _observe_noise(self, rows: dict[int, tuple[float, ...]]) -> None:
+        big2 = self._norm2()
+        self._grad_norm = big2 ** 0.5
+        if self._weights is not None:
+            return  # a split() window weights rows, not micro-batches: no estimate
+        items = self._kind == ITEMS
+        if self._world_size > 1 and self._target is not None:
+            report, small = self._target.sync_report(), []
+            for r, row in rows.items():
+                mine = report.ranks.get(r) if report is not None else None
+                batch = row[1] if items else row[2]
+                if mine is not None and mine.local_norm2 is not None and batch > 0:
+                    small.append((mine.local_norm2 * ((1 / batch) if items else (self._scale_len / batch)) ** 2, batch))
+            big = sum(b for _, b in small)
+        else:
+            small = [self._first] if self._first is not None else []
+            big = float(self._items) if items else float(self._units)
+        estimate = self._noise.estimate(small, big2, big)
+        if estimate is not None:
+            self._noise.add(*estimate)
+
+
+__all__ = ["NoiseEstimates", "NoiseScale"]

@@ -1,0 +1,214 @@
+"""``Chunked``: run a memory-heavy module chunk by chunk along dim 0, in forward and in backward.
+
+Forward runs every chunk without autograd (no activations kept) and stitches the outputs.
+Backward recomputes one chunk at a time with autograd on and back-propagates it, so only one
+chunk's activations are alive at once. The module's trainable parameters are inputs of one
+autograd Function whose backward sums their gradients over the chunks and returns them: each
+parameter's AccumulateGrad (and so gradsync's ready hook) runs once per backward, as the reducer
+requires, instead of once per chunk.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._torch import BatchNormBase
+from .tree import flatten, row_bounds, unflatten
+
+
+class Chunked(nn.Module):
+    """Run ``module`` on ``chunks`` slices of its batch: same outputs and gradients, less memory.
+
+    Every tensor argument whose dim 0 matches the first tensor argument's is split; other
+    arguments go whole to every chunk. The module must treat rows independently (no BatchNorm in
+    training mode). Random ops (dropout) replay the same random numbers when recomputed.
+    """
+
+    def __init__(self, module: nn.Module, chunks: int = 4):
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"gradsync: Chunked wraps an nn.Module, got {type(module).__name__}")
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ValueError(f"gradsync: chunks must be an integer >= 1, got {chunks!r}")
+        self.module = module
+        self.chunks = chunks
+
+    def extra_repr(self) -> str:
+        return f"chunks={self.chunks}"
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        leaves, spec = flatten((args, kwargs))
+        tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        needs_grad = bool(params) or any(x.requires_grad for _, x in tensors)
+        if not torch.is_grad_enabled() or not needs_grad:
+            return self.module(*args, **kwargs)  # nothing is kept for backward anyway
+        batched = [x for _, x in tensors if x.dim() > 0]
+        if not batched:
+            raise ValueError("gradsync: Chunked needs at least one tensor argument with a batch dimension")
+        self._check_rows_independent()
+        rows = batched[0].shape[0]
+        plan = _Plan(self.module, spec, leaves, [i for i, _ in tensors],
+                     [x.dim() > 0 and x.shape[0] == rows for _, x in tensors],
+                     row_bounds(rows, min(self.chunks, rows)), params)
+        outputs = _ChunkedFunction.apply(plan, *(x for _, x in tensors), *params)
+        return plan.rebuild_output(outputs)
+
+    def _check_rows_independent(self) -> None:
+        for name, m in self.module.named_modules():
+            if isinstance(m, BatchNormBase) and m.training:
+                raise ValueError(
+                    f"gradsync: Chunked module contains {type(m).__name__} '{name}' in training mode; "
+                    "it mixes rows, so chunks would change its statistics (and recomputation would "
+                    "update its running stats twice). Chunk a part without batch norm, or call eval()."
+                )
+
+
+@dataclass(eq=False)
+class _Plan:
+    """How to call the module on one chunk and how to rebuild its outputs."""
+
+    module: nn.Module
+    spec: Any
+    leaves: list[Any]
+    tensor_at: list[int]  # positions of the tensor arguments among the flattened leaves
+    split: list[bool]  # per tensor argument: sliced per chunk (else passed whole)
+    bounds: list[tuple[int, int]]  # (start, length) per chunk
+    params: list[nn.Parameter]
+    rng: list[Any] = field(default_factory=list)
+    autocast: list[tuple[str, bool, torch.dtype]] = field(default_factory=list)
+    out_spec: Any = None
+    out_leaves: list[Any] = field(default_factory=list)  # non-tensor outputs, None at tensor slots
+    out_is_tensor: list[bool] = field(default_factory=list)
+
+    def chunk_inputs(self, inputs: list[torch.Tensor], k: int) -> list[torch.Tensor]:
+        start, length = self.bounds[k]
+        return [x.narrow(0, start, length) if s else x for x, s in zip(inputs, self.split)]
+
+    def call(self, inputs: list[torch.Tensor]) -> tuple[list[Any], Any]:
+        leaves = list(self.leaves)
+        for i, x in zip(self.tensor_at, inputs):
+            leaves[i] = x
+        args, kwargs = unflatten(leaves, self.spec)
+        return flatten(self.module(*args, **kwargs))
+
+    def rebuild_output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        it = iter(tensors)
+        leaves = [next(it) if is_t else v for is_t, v in zip(self.out_is_tensor, self.out_leaves)]
+        return unflatten(leaves, self.out_spec)
+
+
+class _ChunkedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, plan: _Plan, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n_in = len(plan.tensor_at)
+        inputs = list(tensors[:n_in])
+        devices = _cuda_devices(tensors)
+        plan.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in ("cpu", "cuda") if d == "cpu" or devices]
+        per_chunk: list[list[Any]] = []
+        for k in range(len(plan.bounds)):
+            plan.rng.append(_rng_state(devices))
+            leaves, spec = plan.call(plan.chunk_inputs(inputs, k))
+            if k == 0:
+                plan.out_spec = spec
+                plan.out_is_tensor = [isinstance(v, torch.Tensor) for v in leaves]
+                plan.out_leaves = [None if t else v for t, v in zip(plan.out_is_tensor, leaves)]
+                for v in leaves:
+                    if isinstance(v, torch.Tensor) and v.dim() == 0:
+                        raise ValueError("gradsync: a Chunked module must return tensors with a batch "
+                                         "dimension to stitch along; it returned a 0-dim tensor")
+            elif spec != plan.out_spec:
+                raise ValueError("gradsync: the Chunked module returned differently structured outputs "
+                                 "for different chunks")
+            per_chunk.append([v for v in leaves if isinstance(v, torch.Tensor)])
+        outputs = tuple(torch.cat(parts) for parts in zip(*per_chunk))
+        ctx.mark_non_differentiable(*(o for o in outputs if not (o.is_floating_point() or o.is_complex())))
+        ctx.plan = plan
+        ctx.devices = devices
+        ctx.save_for_backward(*tensors)  # parameters too: an in-place update before backward raises
+        return outputs
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable  # the recomputation does not build a graph
+    def backward(ctx, *grad_outputs: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        plan: _Plan = ctx.plan
+        n_in = len(plan.tensor_at)
+        inputs = list(ctx.saved_tensors[:n_in])
+        need_in = ctx.needs_input_grad[1:1 + n_in]
+        need_params = ctx.needs_input_grad[1 + n_in:]
+        wanted_params = [p for p, need in zip(plan.params, need_params) if need]
+        # split inputs: filled chunk by chunk (no list of pieces to cat); whole inputs: summed
+        in_grads: list[torch.Tensor | None] = [torch.empty_like(x) if need and s else None
+                                               for x, need, s in zip(inputs, need_in, plan.split)]
+        param_grads: list[torch.Tensor | None] = [None] * len(wanted_params)
+        owned = [False] * len(wanted_params)  # safe to add the next chunks into in place
+        incoming = {_storage(g) for g in grad_outputs if g is not None}
+        for k, (start, length) in enumerate(plan.bounds):
+            chunk = [x.detach().requires_grad_(need)
+                     for x, need in zip(plan.chunk_inputs(inputs, k), need_in)]
+            with torch.enable_grad(), _replay(plan, k, ctx.devices):
+                leaves, _ = plan.call(chunk)
+            outs = [v for v in leaves if isinstance(v, torch.Tensor)]
+            pairs = [(o, g.narrow(0, start, length)) for o, g in zip(outs, grad_outputs)
+                     if g is not None and o.requires_grad]
+            wrt = [x for x, need in zip(chunk, need_in) if need] + wanted_params
+            got: tuple[torch.Tensor | None, ...] = (None,) * len(wrt)
+            if pairs and wrt:
+                got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs],
+                                          allow_unused=True)
+            seen = [_storage(g) for g in got if g is not None]
+            # grad() may pass an incoming gradient through, or hand one tensor to several inputs
+            shared = incoming | {ptr for ptr in seen if seen.count(ptr) > 1}
+            got_it = iter(got)
+            for j, (x, need) in enumerate(zip(chunk, need_in)):
+                if not need:
+                    continue
+                g = next(got_it)
+                if plan.split[j]:
+                    part = in_grads[j].narrow(0, start, length)
+                    part.zero_() if g is None else part.copy_(g)
+                elif g is not None:
+                    in_grads[j] = g if in_grads[j] is None else in_grads[j] + g
+            for j, g in enumerate(got_it):
+                if g is None:
+                    continue
+                if param_grads[j] is None:
+                    param_grads[j], owned[j] = g, _storage(g) not in shared
+                elif owned[j]:
+                    param_grads[j].add_(g)
+                else:
+                    param_grads[j], owned[j] = param_grads[j] + g, True
+        result: list[torch.Tensor | None] = [None, *in_grads]  # None: the plan
+        grads_it = iter(param_grads)
+        result += [next(grads_it) if need else None for need in need_params]
+        return tuple(result)
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _cuda_devices(tensors: tuple[torch.Tensor, ...]) -> list[int]:
+    return sorted({t.device.index for t in tensors if t.is_cuda})
+
+
+def _rng_state(devices: list[int]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    return torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in devices]
+
+
+@contextlib.contextmanager
+def _replay(plan: _Plan, k: int, devices: list[int]):
+    """Recompute chunk ``k`` with its forward's random state and autocast, leaving the RNG as it was."""
+    cpu_state, cuda_states = plan.rng[k]
+    with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
+        torch.set_rng_state(cpu_state)
+        for d, state in zip(devices, cuda_states):
+            torch.cuda.set_rng_state(state, d)
+        for device_type, enabled, dtype in plan.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled))
+        yield

@@ -1,0 +1,33 @@
+"""``torch.compile`` support: the wrapper runs eagerly and shows Dynamo its bucket boundaries.
+
+Dynamo's DDP optimizer (``torch/_dynamo/backends/distributed.py``) splits a compiled graph into
+one subgraph per bucket of parameters, so each bucket's gradients leave the compiled backward,
+and their hooks launch its collective, while earlier layers still compute. It does so only for
+frames compiled while torch's DDP class names an active module, reading that module's
+``bucket_bytes_cap``; gradsync's forward presents itself there (``_torch.active_ddp_module``).
+Like torch's own wrapper, the wrapper's frames are skipped by Dynamo (run eagerly, the wrapped
+module's frames compiled): traced, its counters and flags would become guards, and every switch
+between ``no_sync`` micro-steps and the synced step would recompile. The skip rule waits for
+Dynamo's import (``process.skip_in_dynamo``): constructing a wrapper does not import the compiler.
+"""
+from __future__ import annotations
+
+from .. import process
+from .._torch import active_ddp_module as active_ddp
+
+MiB = 1024 * 1024
+
+
+def skip_wrapper_frames() -> None:
+    """Make Dynamo run ``gradsync.engine`` (wrapper, reducer, hooks) eagerly, as it runs torch's DDP."""
+    process.skip_in_dynamo("gradsync.engine")  # the package's directory; layers (Chunked) stay traceable
+
+
+def bucket_bytes_caps(bucket_cap_mb: float | tuple[float, ...], first_bucket_cap_mb: float) -> tuple[int, int]:
+    """torch's ``bucket_bytes_cap`` and the first bucket's cap in bytes, the first at most the other
+    (Dynamo's DDP optimizer asserts it; a list of caps splits at the repeating last one)."""
+    cap = bucket_cap_mb[-1] if isinstance(bucket_cap_mb, tuple) else bucket_cap_mb
+    return int(cap * MiB), int(min(first_bucket_cap_mb, cap) * MiB)
+
+
+__all__ = ["active_ddp", "bucket_bytes_caps", "skip_wrapper_frames"]

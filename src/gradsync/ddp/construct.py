@@ -1,0 +1,320 @@
+"""What ``DistributedDataParallel`` checks and resolves before it builds a reducer.
+
+Constructor options with torch 2.13's meaning (process group or device mesh, buffer sync flags,
+bucket caps, ``device_ids``), the check that every rank wraps the same model, the initial
+broadcast in bounded chunks, the registry of parameters owned by live wrappers, and the
+communication hook's signature check.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+import re
+import sys
+import warnings
+import weakref
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .._torch import default_first_bucket_bytes, device_index, group_timeout
+from ..engine.buckets import MiB
+from ..engine.comm import GradBucket
+from ..engine.control import SyncError, bounded_wait
+
+# The initial broadcast copies at most this much into one flat tensor at a time (torch: 250 MiB)
+BROADCAST_CHUNK_BYTES = 25 * MiB
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_CAP_MB = default_first_bucket_bytes() / MiB
+
+# id(parameter) -> the live wrapper that owns it; an entry goes when its wrapper is collected
+_OWNER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def resolve_timeout(timeout: timedelta | float | None, group: dist.ProcessGroup,
+                    device: torch.device) -> timedelta:
+    """Return ``timeout`` as a timedelta; None means the process group's own timeout."""
+    if timeout is None:
+        return group_timeout(group, device)
+    if isinstance(timeout, (int, float)):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
+    return timeout
+
+
+def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
+    """Return the group to reduce over: ``process_group``, a 1-D ``device_mesh``'s, or the default one."""
+    if process_group is not None and device_mesh is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh is None:
+        return process_group if process_group is not None else dist.group.WORLD
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}. Pass the "
+                           "data-parallel dimension, e.g. mesh['dp'].")
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
+    """Return (sync buffers at runtime, include buffers in the init sync), warning like torch 2.13."""
+    if broadcast_buffers is not None:
+        if forward_sync_buffers is not None:
+            warnings.warn("`broadcast_buffers` is deprecated and ignored because `forward_sync_buffers` "
+                          "was given too; pass only `forward_sync_buffers`.", FutureWarning, stacklevel=3)
+        else:
+            warnings.warn("`broadcast_buffers` is deprecated; use `forward_sync_buffers`. Unlike "
+                          "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers "
+                          "at construction (keep `broadcast_buffers=False` for rank-local buffers).",
+                          FutureWarning, stacklevel=3)
+    if forward_sync_buffers is not None:
+        return bool(forward_sync_buffers), True
+    sync = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return sync, sync
+
+
+def resolve_auto_cap(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> bool:
+    """Return whether ``bucket_cap_mb="auto"`` was asked for; raise on what cannot go with it."""
+    if not isinstance(bucket_cap_mb, str):
+        return False
+    if bucket_cap_mb != "auto":
+        raise ValueError(f"gradsync: bucket_cap_mb must be a size in MiB or \"auto\", got {bucket_cap_mb!r}")
+    if bucket_cap_mb_list is not None:
+        raise ValueError("gradsync: bucket_cap_mb=\"auto\" chooses one cap for every bucket; it cannot go with "
+                         "bucket_cap_mb_list. Pass one of them.")
+    return True
+
+
+def resolve_bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None,
+                        first_bucket_cap_mb: float | None) -> tuple[float | tuple[float, ...], float]:
+    """Return (``bucket_cap_mb`` for ``plan_buckets``, first bucket's cap) with torch's defaults.
+
+    As in torch, the small default first bucket (1 MiB) applies only when no cap was given: an
+    explicit ``bucket_cap_mb`` caps the first bucket too, and ``bucket_cap_mb_list`` gives each
+    bucket its own cap (the last one repeats). ``first_bucket_cap_mb`` overrides the first cap.
+    """
+    if bucket_cap_mb_list is not None:
+        caps = tuple(float(c) for c in bucket_cap_mb_list)
+        if not caps or min(caps) <= 0:
+            raise ValueError(f"bucket_cap_mb_list must be a non-empty list of positive sizes in MiB, "
+                             f"got {bucket_cap_mb_list!r}")
+        first = caps[0] if first_bucket_cap_mb is None else first_bucket_cap_mb
+        return caps, first
+    if bucket_cap_mb is None:
+        first = DEFAULT_FIRST_BUCKET_CAP_MB if first_bucket_cap_mb is None else first_bucket_cap_mb
+        return DEFAULT_BUCKET_CAP_MB, first
+    return bucket_cap_mb, bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
+
+
+def resolve_device_ids(device_ids: Any, output_device: Any,
+                       params: Sequence[torch.Tensor]) -> tuple[list[int] | None, int | None]:
+    """Return torch's (device_ids, output_device): None for CPU and multi-device modules."""
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError("device_ids can only be None or contain a single element.")
+    devices = {p.device for p in params}
+    if not device_ids or len(devices) > 1 or next(iter(devices)).type == "cpu":
+        if device_ids or output_device:
+            raise ValueError(
+                "DistributedDataParallel device_ids and output_device arguments only work with "
+                "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
+                f"{device_ids}, output_device {output_device}, and module parameters {devices}. "
+                "For a CPU or multi-device module leave both None."
+            )
+        return None, None
+    ids = [device_index(d) for d in device_ids]
+    return ids, device_index(output_device if output_device is not None else device_ids[0])
+
+
+def describe(module: nn.Module) -> list[tuple]:
+    """Return what must agree across ranks: (kind, name, shape, dtype, requires_grad) per tensor."""
+    rows = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
+            for n, p in module.named_parameters()]
+    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
+    return rows
+
+
+def verify_same_model(module: nn.Module, group: dist.ProcessGroup, timeout: timedelta,
+                      device: torch.device | None = None) -> None:
+    """Raise on every rank if any rank's parameters or buffers differ from rank 0's."""
+    mine = describe(module)
+    # compare digests with a bounded collective; gather the details only on a mismatch
+    digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
+    digests = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
+    digests[dist.get_rank(group)] = digest
+    try:
+        bounded_wait(dist.all_reduce(digests, group=group, async_op=True), timeout)
+    except Exception as exc:
+        raise SyncError(
+            f"gradsync: rank {dist.get_rank(group)} waited for the other ranks to construct "
+            f"DistributedDataParallel and they did not within {timeout.total_seconds():g}s: {exc}. "
+            "Likely cause: another rank died, raised before wrapping its model, or wraps a "
+            "different number of models."
+        ) from exc
+    if len(set(digests.tolist())) == 1:
+        return
+    everyone: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    reference = everyone[0]
+    problems = [f"rank {r}: {_first_difference(reference, rows)}"
+                for r, rows in enumerate(everyone) if rows != reference]
+    if problems:
+        raise ValueError(
+            "gradsync: the model differs across ranks (compared with rank 0): " + "; ".join(problems)
+            + ". Build the same model on every rank before wrapping it."
+        )
+
+
+def _first_difference(reference: list[tuple], rows: list[tuple]) -> str:
+    for ref, row in zip(reference, rows):
+        if ref != row:
+            if ref[1] != row[1]:
+                return f"has {row[0]} '{row[1]}' where rank 0 has {ref[0]} '{ref[1]}'"
+            fields = ("shape", "dtype", "requires_grad")
+            diffs = [f"{f} {b} (rank 0: {a})" for f, a, b in zip(fields, ref[2:], row[2:]) if a != b]
+            return f"{row[0]} '{row[1]}' has " + ", ".join(diffs)
+    count = lambda rs, kind: sum(r[0] == kind for r in rs)  # noqa: E731
+    return (f"{count(rows, 'parameter')} parameters and {count(rows, 'buffer')} buffers, rank 0 has "
+            f"{count(reference, 'parameter')} and {count(reference, 'buffer')}")
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, wait: Callable,
+                        src_rank: int = 0, chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
+    """Overwrite ``tensors`` with group rank ``src_rank``'s values.
+
+    Tensors of one device are packed as raw bytes into flat chunks of about ``chunk_bytes``, so
+    the extra memory is one chunk, not a copy of everything, and a module's buffers of several
+    dtypes (BatchNorm: float and int64) take one broadcast, one round trip per forward, instead
+    of one per dtype. A tensor alone in its chunk is sent in place.
+    """
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_device.setdefault(t.device, []).append(t)
+    src = dist.get_global_rank(group, src_rank)
+    for same in by_device.values():
+        for chunk in _chunks(same, chunk_bytes):
+            if len(chunk) == 1 and chunk[0].is_contiguous():
+                wait(dist.broadcast(chunk[0].detach(), src=src, group=group, async_op=True))
+                continue
+            flat = torch.cat([_bytes(t.detach().reshape(-1)) for t in chunk])
+            wait(dist.broadcast(flat, src=src, group=group, async_op=True))
+            offset = 0
+            for t in chunk:
+                part = flat[offset:offset + t.numel() * t.element_size()]
+                offset += part.numel()
+                if t.is_contiguous():  # write the bytes straight into the tensor's memory
+                    _bytes(t.detach().reshape(-1)).copy_(part)
+                else:
+                    with torch.no_grad():
+                        t.copy_(part.clone().view(t.dtype).view(t.shape))
+
+
+def _bytes(flat: torch.Tensor) -> torch.Tensor:
+    """A 1-D tensor's memory as uint8 (a view); a 0-element tensor has no storage to view."""
+    return flat.view(torch.uint8) if flat.numel() else flat.new_empty(0, dtype=torch.uint8)
+
+
+def _chunks(tensors: list[torch.Tensor], chunk_bytes: int):
+    chunk: list[torch.Tensor] = []
+    size = 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if chunk and size + nbytes > chunk_bytes:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(t)
+        size += nbytes
+    if chunk:
+        yield chunk
+
+
+def check_wrappable(module: nn.Module, wrapper_types: tuple[type, ...]) -> list[tuple[str, nn.Parameter]]:
+    """Return the trainable (name, parameter) pairs, or raise if ``module`` cannot be wrapped."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("gradsync: torch.distributed is not initialized; call "
+                           "torch.distributed.init_process_group() before wrapping the model")
+    if isinstance(module, wrapper_types):
+        raise ValueError(f"gradsync: the module is already wrapped in {type(module).__module__}."
+                         f"{type(module).__name__}; wrap the inner module once")
+    named = list(module.named_parameters())
+    for name, p in named:
+        if isinstance(p, nn.parameter.UninitializedParameter):
+            raise ValueError(f"gradsync: parameter '{name}' is lazy (uninitialized). Run one forward "
+                             "pass on a sample batch to materialize it before wrapping the model")
+        if _is_dtensor(p):
+            raise NotImplementedError(
+                f"gradsync: parameter '{name}' is a DTensor (tensor parallelism); gradsync reduces "
+                "plain tensors only. Use torch's DistributedDataParallel for DDP + tensor parallel.")
+        if p.is_meta:  # a meta buffer is harmless: broadcasting it does nothing, as in torch
+            raise ValueError(f"gradsync: parameter '{name}' is on the meta device (it has no data). "
+                             "Materialize the module before wrapping it: module.to_empty(device=...), "
+                             "then initialize it or load a state dict")
+    for name, m in module.named_modules():
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
+            what = f"nn.{type(m).__name__} '{name}'" if name else f"the wrapped nn.{type(m).__name__}"
+            raise NotImplementedError(
+                f"gradsync: {what} has sparse=True: gradsync reduces dense "
+                "gradients only; construct it with sparse=False (same gradients, dense), or use "
+                "torch's DistributedDataParallel, which reduces sparse gradients")
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    if not trainable:
+        raise RuntimeError("gradsync: the module has no parameters that require gradients; "
+                         "there is nothing to synchronize")
+    return trainable
+
+
+def _is_dtensor(p: torch.Tensor) -> bool:
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(p, dtensor)
+
+
+def claim(params: Sequence[torch.Tensor], wrapper: Any) -> None:
+    """Record ``wrapper`` as the owner of ``params`` for as long as it lives.
+
+    A parameter has one live owner: a previous wrapper of any of them is superseded (its hooks
+    removed, its forward refused), as when ``ddp = DDP(model)`` runs again in a loop.
+    """
+    previous = {id(o): o for o in (_OWNER.get(id(p)) for p in params) if o is not None and o is not wrapper}
+    for old in previous.values():
+        old._supersede()
+    _OWNER.update((id(p), wrapper) for p in params)
+
+
+_FUTURE_TYPES = (torch.futures.Future, torch.futures.Future[torch.Tensor])
+
+
+def check_comm_hook(hook: Any) -> None:
+    """Raise like torch's ``_check_comm_hook`` when ``hook`` cannot be a communication hook."""
+    if not callable(hook):
+        raise TypeError(f"gradsync: Communication hook must be callable. Got {type(hook).__name__}: a hook is "
+                        "hook(state, bucket) -> torch.futures.Future[torch.Tensor].")
+    try:
+        sig = inspect.signature(hook, eval_str=True)
+    except (NameError, SyntaxError, TypeError):  # unresolvable string annotations: compare their text
+        sig = inspect.signature(hook)
+    except ValueError:  # no signature (a builtin): nothing to check
+        return
+    params = list(sig.parameters.values())
+    bucket = sig.parameters.get("bucket") or (params[1] if len(params) > 1 else None)
+    if bucket is not None and not _annotation_ok(bucket.annotation, (dist.GradBucket, GradBucket),
+                                                 r"((\w+\.)*)GradBucket"):
+        raise ValueError(
+            f"Communication hook: bucket annotation should be dist.GradBucket, got {bucket.annotation!r} "
+            f"(hook {getattr(hook, '__name__', hook)!r}). A hook is hook(state, bucket: dist.GradBucket) "
+            "-> torch.futures.Future[torch.Tensor].")
+    if not _annotation_ok(sig.return_annotation, _FUTURE_TYPES,
+                          r"((\w+\.)*)Future(\[((\w+\.)*)Tensor\])?"):
+        raise ValueError(
+            "Communication hook: return annotation should be torch.futures.Future[torch.Tensor], got "
+            f"{sig.return_annotation!r} (hook {getattr(hook, '__name__', hook)!r}). The hook must return "
+            "a future whose value is the reduced bucket tensor.")
+
+
+def _annotation_ok(annotation: Any, allowed: tuple, pattern: str) -> bool:
+    if annotation is inspect.Parameter.empty:
+        return True
+    if isinstance(annotation, str):
+        return re.fullmatch(pattern, annotation.replace(" ", "")) is not None
+    return any(annotation == a for a in allowed)

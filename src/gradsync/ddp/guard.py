@@ -1,0 +1,169 @@
+"""Refuse an optimizer step on gradients that local backwards left unsynchronized.
+
+A reducer whose backward ran without synchronizing (``no_sync``, or a backward without the
+wrapper's forward) marks itself here; the end of its next synced backward unmarks it. One
+global optimizer-step pre-hook (torch calls it for every optimizer) asks the marked reducers
+whether the optimizer's parameters hold such gradients and raises before anything changes.
+With no reducer marked, which is every step of a correct loop, the hook only tests two sets.
+A step with a closure is checked after the closure (whose backward may be the synced one), but
+only for an optimizer that steps parameters of a reducer known here: others pay nothing.
+Reducers whose parameters only their own optimizer may step (sharded gradients: ``.grad`` is
+None after a synced backward, so a plain optimizer would silently do nothing) register as
+exclusive and are asked about every step that touches their parameters.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .. import process
+
+_known: weakref.WeakSet = weakref.WeakSet()  # every reducer the guard knows of; a deleted one drops out
+_unsynced: weakref.WeakSet = weakref.WeakSet()
+_exclusive: weakref.WeakSet = weakref.WeakSet()
+_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # reducer -> frozenset of its parameter ids
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _entry()
+_version = 0  # bumped when _known or _exclusive changes: cached entries recompute what they touch
+_anyone = False  # install() was called without a reducer: wrap every closure, as we cannot tell
+_handle: Any = None
+
+
+def install(reducer: Any = None) -> None:
+    """Register the global optimizer-step pre-hook (once per process) and, if given, ``reducer``:
+    the closures of the optimizers that step its parameters are checked after they run."""
+    global _anyone
+    if reducer is None:
+        _anyone = True
+    else:
+        _know(reducer)
+    if _handle is None:
+        process.install(process.Effect(
+            name="optimizer-step-guard", apply=_register, undo=_unregister,
+            reason="an optimizer step on gradsync parameters whose gradients were not synchronized "
+                   "would let the replicas drift apart silently; it raises before anything changes"))
+
+
+def _register() -> None:
+    global _handle
+    _handle = register_optimizer_step_pre_hook(_check_step)
+
+
+def _unregister() -> None:
+    global _handle
+    _handle.remove()
+    _handle = None
+
+
+def _know(reducer: Any) -> None:
+    global _version
+    if reducer not in _known:
+        _known.add(reducer)
+        _version += 1
+
+
+def mark_unsynced(reducer: Any) -> None:
+    """Note that ``reducer``'s parameters may hold gradients that were not reduced yet."""
+    _unsynced.add(reducer)
+    install(reducer)
+
+
+def mark_synced(reducer: Any) -> None:
+    _unsynced.discard(reducer)
+
+
+def mark_exclusive(reducer: Any) -> None:
+    """Ask ``reducer.check_foreign_step(optimizer)`` before any step on its parameters."""
+    global _version
+    _exclusive.add(reducer)
+    _version += 1
+    install(reducer)
+
+
+def forget(reducer: Any) -> None:
+    """The wrapper is gone: its parameters train locally from now on."""
+    global _version
+    _unsynced.discard(reducer)
+    if reducer in _known or reducer in _exclusive:
+        _known.discard(reducer)
+        _exclusive.discard(reducer)
+        _version += 1
+
+
+def _ids_of(reducer: Any) -> frozenset:
+    ids = _ids.get(reducer)
+    if ids is None:
+        ids = _ids[reducer] = frozenset(id(p) for p in reducer.params)
+    return ids
+
+
+def _entry(optimizer: torch.optim.Optimizer) -> list:
+    """[signature, parameter ids, version, exclusive reducers touched, touched by a known reducer], cached."""
+    groups = optimizer.param_groups
+    signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
+    try:
+        entry = _cache.get(optimizer)
+    except TypeError:  # not weak-referenceable: no cache
+        entry = None
+    if entry is None or entry[0] != signature:
+        entry = [signature, frozenset(id(p) for g in groups for p in g["params"]), -1, (), False]
+        try:
+            _cache[optimizer] = entry
+        except TypeError:
+            pass
+    if entry[2] != _version:
+        entry[3] = tuple(weakref.ref(r) for r in _exclusive if not _ids_of(r).isdisjoint(entry[1]))
+        entry[4] = any(not _ids_of(r).isdisjoint(entry[1]) for r in list(_known))
+        entry[2] = _version
+    return entry
+
+
+def _check_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> Any:
+    closure = kwargs.get("closure", args[1] if len(args) > 1 else None)  # args[0] is the optimizer
+    if not callable(closure):
+        _check(optimizer)
+        return None
+    if not _anyone and not (_known and _entry(optimizer)[4]):
+        return None  # no gradsync model touches this optimizer: its closure reaches it untouched
+
+    # The closure's backward may be the window's synced one (Lightning steps that way): check
+    # after it, still before the optimizer updates anything.
+    def checked(*a: Any, **k: Any) -> Any:
+        loss = closure(*a, **k)
+        _check(optimizer)
+        return loss
+    if "closure" in kwargs:
+        return args, {**kwargs, "closure": checked}
+    return (args[0], checked, *args[2:]), kwargs
+
+
+def _check(optimizer: torch.optim.Optimizer) -> None:
+    if not (_unsynced or _exclusive):
+        return
+    _, ids, _, touched, _ = _entry(optimizer)
+    for ref in touched:
+        reducer = ref()
+        if reducer is not None:
+            reducer.check_foreign_step(optimizer)
+    for reducer in list(_unsynced):  # a copy: the loop may discard
+        pending = reducer.unsynced_params()
+        if not pending:  # zero_grad() dropped them
+            _unsynced.discard(reducer)
+            continue
+        names = [reducer.names[i] for i in pending if id(reducer.params[i]) in ids]
+        if names:
+            shown = ", ".join(f"'{n}'" for n in names[:5]) + (", ..." if len(names) > 5 else "")
+            raise RuntimeError(
+                f"gradsync: {type(optimizer).__name__}.step() would apply unsynchronized gradients: "
+                f"{len(names)} parameter(s) of the {reducer.wrapper_name} model ({shown}) hold "
+                "gradients from backward(s) under no_sync() (or without a forward through the "
+                "wrapper) that were not reduced across ranks yet, so every rank would step with its "
+                "own gradients and the replicas would drift apart. Run the accumulation window's last "
+                "backward with gradient sync enabled before optimizer.step(), or wrap the optimizer "
+                "with GradientAccumulator.wrap_optimizer() so that it steps only where a window ends "
+                "(or call optimizer.zero_grad() to discard those gradients).")
+
+
+__all__ = ["forget", "install", "mark_exclusive", "mark_synced", "mark_unsynced"]

@@ -1,0 +1,108 @@
+"""The parameters a wrapper saw at construction, checked before each forward.
+
+The buckets are laid out for exactly these parameters, dtypes and devices: a parameter added,
+replaced or converted (``model.double()``, ``.to()``) after wrapping must fail loudly at the next
+forward, while ``torch.func.functional_call`` may substitute them for the length of one call.
+"""
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .._torch import functional_call_code
+
+
+def snapshot(module: nn.Module) -> list[tuple]:
+    return [(p, p.requires_grad, p.dtype, p.device) for p in module.parameters()]
+
+
+_WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members", "named_modules")
+
+
+def module_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``list(module.parameters())`` and ``list(module.buffers())``, the same tensors in the same order,
+    in one walk over the module tree without building names (the wrapper runs it before each forward:
+    on a model of hundreds of modules the two torch walks cost milliseconds). A module tree whose
+    classes override one of torch's walks is walked by torch's own methods."""
+    if any(getattr(type(module), name) is not getattr(nn.Module, name) for name in _WALKS):
+        return list(module.parameters()), list(module.buffers())
+    params: list[torch.Tensor] = []
+    buffers: list[torch.Tensor] = []
+    seen_params: set[int] = set()
+    seen_buffers: set[int] = set()
+    seen_modules: set[nn.Module] = set()  # as torch's named_modules memo: each module once, pre-order
+    stack = [module]
+    named_modules = nn.Module.named_modules
+    while stack:
+        m = stack.pop()
+        if m in seen_modules:
+            continue
+        if type(m).named_modules is not named_modules:
+            return list(module.parameters()), list(module.buffers())
+        seen_modules.add(m)
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen_params:
+                seen_params.add(id(p))
+                params.append(p)
+        for b in m._buffers.values():
+            if b is not None and id(b) not in seen_buffers:
+                seen_buffers.add(id(b))
+                buffers.append(b)
+        stack.extend([c for c in reversed(m._modules.values()) if c is not None])
+    return params, buffers
+
+
+def parameters_swapped(module: nn.Module, taken: list[tuple], own: Sequence[torch.Tensor],
+                       current: list[torch.Tensor] | None = None) -> bool:
+    """Return True while ``torch.func.functional_call`` substitutes all of ``own`` (then the
+    forward is local); raise if the parameters changed for good. ``current``: the module's
+    parameters, when the caller already listed them (``module_tensors``)."""
+    if current is None:
+        current = list(module.parameters())
+    if len(current) == len(taken) and all(
+            p is q and p.requires_grad == rg and p.dtype is dt and p.device == dev
+            for p, (q, rg, dt, dev) in zip(current, taken)):
+        return False
+    if inside_functional_call():
+        # like torch: gradients of the substituted tensors stay local; if some of gradsync's
+        # parameters are still in use, the backward synchronizes them as usual
+        mine = {id(p) for p in own}
+        return not any(id(p) in mine for p in current)
+    if len(current) == len(taken):
+        _raise_converted(module, taken)
+    raise RuntimeError(
+        "gradsync: the module's parameters changed after it was wrapped (a parameter was added, "
+        "removed or replaced, or its requires_grad changed). gradsync only synchronizes the "
+        "parameters it saw at construction; make such changes before wrapping, then wrap again."
+    )
+
+
+def _raise_converted(module: nn.Module, taken: list[tuple]) -> None:
+    """Raise if a parameter changed dtype or device: module.double() and .to() keep the
+    Parameter objects (except to or from meta) and swap their data."""
+    for (name, p), (_, _, dtype, device) in zip(module.named_parameters(), taken):
+        if p.dtype is not dtype or p.device != device:
+            raise RuntimeError(
+                f"gradsync: parameter {name!r} changed from {dtype} on {device} to {p.dtype} on "
+                f"{p.device} after the module was wrapped (model.double(), .half(), .to(...)). The "
+                "gradient buckets keep the dtype and device the parameters had at construction; call "
+                "module.to(...) before wrapping it in DistributedDataParallel, or wrap it again.")
+
+
+def inside_functional_call() -> bool:
+    """True when called (indirectly) from ``torch.func.functional_call``, which swaps parameters
+    for the duration of one call."""
+    code = _functional_call_code()
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _functional_call_code():
+    return functional_call_code()

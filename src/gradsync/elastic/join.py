@@ -1,0 +1,155 @@
+"""Joining a running job at a window boundary (``gradsync.elastic``): admission, and the state sent.
+
+A replica that arrives after the job started (``gradsync run`` restarted it, or a new launcher
+brought it) trains on a group of its own until its first window boundary: its first
+``acc.accumulate()``, or the first item of ``acc.iterate()`` or of an ``ElasticSampler``. There it
+asks to join and waits, ready, so the members pause only for the transfer. At every window
+boundary the members read the number of join requests and agree on it in the store (two round
+trips, no collective); every member then admits the same joiners into the next generation, and
+the first member sends everyone the state: the parameters and buffers, every optimizer and
+scheduler the accumulator wrapped, the accumulator's own state, the reducer's counters, the
+membership's events and whatever was registered with ``gradsync.elastic.register``.
+"""
+from __future__ import annotations
+
+import io
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..engine import protocol as core_membership
+from ..ddp.construct import broadcast_coalesced
+from ..engine.protocol import PeerFailure
+from .membership import P, MembershipError, MembershipEvent
+
+log = logging.getLogger("gradsync.elastic")
+POLL = 0.02  # a waiting joiner looks for its admission this often
+
+
+def at_boundary(acc: Any) -> None:
+    """Admit waiting replicas (on a member) or join (on a replica that arrived late), before a window."""
+    m = core_membership.current()
+    reducer = getattr(acc.model, "reducer", None)
+    if m is None or reducer is None or reducer.membership is not m:
+        return
+    if m.joining:
+        join(m, acc, reducer)
+    else:
+        admit(m, acc, reducer)
+
+
+def admit(m: Any, acc: Any, reducer: Any) -> None:
+    window = acc.windows  # the 0-based index of the window about to start
+    count = m.store.add(f"{P}/join/count", 0)
+    agreed = int(m.store.compare_set(m.key(f"admit/{window}"), "", str(count)))
+    if agreed <= m.joins_seen:
+        return
+    requests = [m.store.get(f"{P}/join/req/{n}").decode() for n in range(m.joins_seen + 1, agreed + 1)]
+    m.joins_seen = agreed
+    joiners = dict(tuple(int(v) for v in req.split(":")) for req in requests)  # id -> restart (the latest)
+    joiners = {r: s for r, s in joiners.items() if r not in m.members and not m.store.check([f"{P}/exit/{r}/{s}"])}
+    if not joiners:
+        return
+    start, g, source = time.monotonic(), m.generation + 1, m.members[0]
+    ids = sorted(m.members + list(joiners))
+    for r, s in joiners.items():
+        m.store.set(f"{P}/admitted/{r}/{s}", f"{g}:{json.dumps(ids)}:{source}")
+    try:
+        m.enter(g, ids)
+        reducer.regroup(dist.group.WORLD)
+        sent = transfer(m, acc, reducer, source)
+    except (RuntimeError, dist.DistError) as exc:  # a member or joiner died during the admission
+        log.warning("gradsync.elastic: admitting %s into generation %d failed (%s); the window's synced "
+                    "backward re-forms", sorted(joiners), g, exc)
+        reducer.break_group(exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc)))
+        return
+    record(m, g, window, sorted(joiners), start, sent)
+
+
+def join(m: Any, acc: Any, reducer: Any) -> None:
+    start = time.monotonic()
+    n = m.store.add(f"{P}/join/count", 1)
+    m.store.set(f"{P}/join/req/{n}", f"{m.replica_id}:{m.restart}")
+    m.store.set(f"{P}/waiting/{m.replica_id}", str(m.restart))  # the launcher ends it if the job ends first
+    log.warning("gradsync.elastic: replica %d (restart %d) asks to join", m.replica_id, m.restart)
+    key = f"{P}/admitted/{m.replica_id}/{m.restart}"
+    while not m.store.check([key]):
+        if m.store.check([f"{P}/job/failed"]):
+            raise MembershipError(f"gradsync: the job failed before replica {m.replica_id} could join: "
+                                  f"{m.store.get(f'{P}/job/failed').decode()}")
+        time.sleep(POLL)
+    m.join_waits.append(time.monotonic() - start)  # asking to admitted: up to one window of the members
+    start = time.monotonic()
+    g, ids, source = m.store.get(key).decode().split(":")
+    m.store.set(f"{P}/waiting/{m.replica_id}", "admitted")
+    m.joining = False
+    try:
+        m.enter(int(g), json.loads(ids))
+        reducer.regroup(dist.group.WORLD)
+        sent = transfer(m, acc, reducer, int(source))
+    except (RuntimeError, dist.DistError) as exc:
+        raise MembershipError(f"gradsync: replica {m.replica_id} could not join generation {g}: {exc}") from exc
+    record(m, int(g), acc.windows, [m.replica_id], start, sent)
+
+
+def state_of(m: Any, acc: Any, reducer: Any) -> dict[str, Any]:
+    c = reducer.counters
+    return {"accumulator": acc.state_dict(), "optimizers": [o.state_dict() for o in acc.wrapped_optimizers],
+            "schedulers": [s.state_dict() for s in acc.wrapped_schedulers],
+            "registered": {name: obj.state_dict() for name, obj in m.registered.items()},
+            "counters": (c.forward, c.backward, c.sync), "events": list(m.events), "joins_seen": m.joins_seen}
+
+
+def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
+    acc.load_state_dict(state["accumulator"])
+    for mine, theirs in ((acc.wrapped_optimizers, state["optimizers"]), (acc.wrapped_schedulers, state["schedulers"])):
+        if len(mine) != len(theirs):
+            raise MembershipError(f"gradsync: this replica wrapped {len(mine)} optimizers/schedulers where the "
+                                  f"members wrapped {len(theirs)}; every replica runs the same script")
+        for obj, sd in zip(mine, theirs):
+            obj.load_state_dict(sd)
+    for name, sd in state["registered"].items():
+        if name not in m.registered:
+            raise MembershipError(f"gradsync: the members registered {name!r} (gradsync.elastic.register) but this "
+                                  "replica did not, before its first window")
+        m.registered[name].load_state_dict(sd)
+    c = reducer.counters
+    c.forward, c.backward, c.sync = state["counters"]
+    reducer.pending_forwards = 0
+    m.events, m.joins_seen = list(state["events"]), state["joins_seen"]
+
+
+def transfer(m: Any, acc: Any, reducer: Any, source: int) -> int:
+    """Send (from ``source``) or receive the state; return the bytes each receiver got."""
+    src, device = m.members.index(source), reducer.device
+    wait = lambda work: reducer.wait(work, "the state sent to a joining replica")  # noqa: E731
+    if m.replica_id == source:
+        buffer = io.BytesIO()
+        torch.save(state_of(m, acc, reducer), buffer)
+        blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    size = torch.tensor([blob.numel() if m.replica_id == source else 0], dtype=torch.int64)
+    wait(dist.broadcast(size, src=src, async_op=True))
+    if m.replica_id != source:
+        blob = torch.empty(int(size), dtype=torch.uint8)
+    wait(dist.broadcast(blob, src=src, async_op=True))
+    tensors = list(acc.model.parameters()) + list(acc.model.buffers())
+    broadcast_coalesced([t.data for t in tensors], dist.group.WORLD, wait, src)
+    if m.replica_id != source:
+        load_state(m, acc, reducer, torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False))
+    return int(size) + sum(t.numel() * t.element_size() for t in tensors)
+
+
+def record(m: Any, g: int, window: int, joined: list[int], start: float, sent: int) -> None:
+    event = MembershipEvent(generation=g, window=window, left=[], joined=joined, micro_steps_lost=0,
+                            seconds=m.slowest(time.monotonic() - start))
+    m.events.append(event)
+    m.bytes_per_join.append(sent)
+    log.warning("gradsync.elastic: generation %d: replica(s) %s joined before window %d; members %s; "
+                "%.2f s, %d bytes sent", g, joined, window, m.members, event.seconds, sent)
+
+
+__all__ = ["at_boundary", "admit", "join", "load_state", "state_of", "transfer"]

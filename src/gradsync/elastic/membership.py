@@ -1,0 +1,308 @@
+"""Elastic membership: a dead replica does not end the job; the survivors re-form and finish the window.
+
+``gradsync run`` (``tools/run.py``) starts the replicas and hosts torch's ``TCPStore`` (the
+coordinator, on no replica). ``init_process_group`` forms generation 0 once every replica has
+arrived and makes it torch's default process group; a gradsync model built on it follows every
+later generation (``engine/protocol.py``). Each synced backward ends with a vote in the store: the
+gradients are written back only once every member holds the whole reduction. When a member dies
+(its launcher reports the exit) or a collective fails, the survivors abort the reduction, agree on
+who is left, build the next generation's group from ``PrefixStore``, and reduce their own windows
+again in it: the window closes over exactly what the survivors processed.
+
+Store keys (under ``gradsync/``): ``exit/<id>/<restart>`` (the launcher, when a process ends),
+``gen<g>/alive/<id>`` (a member reached generation g; the value is its restart count),
+``gen<g>/members``, ``gen<g>/broken``, ``gen<g>/vote/<sync>``, ``gen<g>/decision/<sync>``,
+``job/started``, ``job/failed``, ``waiting/<id>`` (a replica that arrived after the start).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from ..engine import protocol as core_membership
+from .._torch import detach_default_group, is_future
+from ..engine.control import SyncError, bounded_wait
+from ..engine.protocol import PeerFailure
+
+P = "gradsync"
+SLICE = 0.1  # seconds between looks at the store while a collective or a vote is not done
+STALE = 5.0  # a launcher whose heartbeat (every 0.5 s) stood still this long is taken for dead, with its machine
+log = logging.getLogger("gradsync.elastic")
+
+
+class MembershipError(SyncError):
+    """Too few replicas are left, or this replica is no longer a member."""
+
+
+@dataclass(frozen=True)
+class MembershipEvent:
+    """One membership change, the same on every member."""
+
+    generation: int  # the generation it formed
+    window: int  # the accumulator's window (0-based) whose reduction it re-formed; else the synced backward
+    left: list[int]
+    joined: list[int]
+    micro_steps_lost: int  # the micro-steps of that window the replicas that left were to run
+    seconds: float  # from the failure seen here to the new group
+
+
+class StoreMembership:
+    """Generations of members over a coordinator ``TCPStore`` (``core.membership.Membership``)."""
+
+    def __init__(self, store: dist.Store, *, backend: str, replica_id: int, restart: int, replicas: int,
+                 min_replicas: int, timeout: timedelta, machine: int = 0):
+        self.store, self.backend, self.timeout = store, backend, timeout
+        self.replica_id, self.restart, self.machine = replica_id, restart, machine
+        self.replicas, self.min_replicas = replicas, min_replicas
+        self.generation = 0
+        self.members: list[int] = []
+        self.incarnation: dict[int, int] = {}  # member id -> its restart count in this generation
+        self.machine_of: dict[int, int] = {}  # member id -> its launcher
+        self._beats: dict[int, tuple[int, float]] = {}  # launcher -> (heartbeat, when it last moved)
+        self.events: list[MembershipEvent] = []
+        self.joining = False  # arrived after the job started and not admitted yet (elastic_join.py)
+        self.joins_seen = 0  # join requests this member has decided on
+        self.registered: dict[str, Any] = {}  # name -> object with state_dict()/load_state_dict(), sent to joiners
+        self.bytes_per_join: list[int] = []  # what each admission sent every joiner
+        self.join_waits: list[float] = []  # on a joiner: seconds from asking to being admitted
+        self.graveyard: list[Any] = []  # earlier groups, kept referenced (see detach_default_group)
+        self._failed_at: float | None = None
+
+    def key(self, name: str, generation: int | None = None) -> str:
+        return f"{P}/gen{self.generation if generation is None else generation}/{name}"
+
+    # ---------------------------------------------------------------- generation 0
+    def form_first(self) -> None:
+        """Wait for every replica, then form generation 0; a replica arriving later joins at a window
+        boundary (``elastic_join.py``): until then it trains alone, on a group of its own."""
+        if self.store.check([f"{P}/job/started"]):
+            self.joining, self.generation = True, -1
+            dist.init_process_group(self.backend, store=dist.PrefixStore(f"{P}/solo/{self.replica_id}/{self.restart}",
+                                                                         self.store), rank=0, world_size=1)
+            return
+        self.store.set(self.key(f"alive/{self.replica_id}"), self._alive_value())
+        ids = list(range(self.replicas))
+        self.store.wait([self.key(f"alive/{i}") for i in ids], self.timeout)
+        self.store.compare_set(f"{P}/job/started", "", "1")
+        self._adopt(ids)
+
+    def enter(self, g: int, ids: list[int]) -> None:
+        """Become a member of generation ``g`` of ``ids`` (an admission, on members and joiners alike)."""
+        self.store.set(self.key(f"alive/{self.replica_id}", g), self._alive_value())
+        self.generation = g
+        self._adopt(ids)
+
+    def _adopt(self, ids: list[int]) -> None:
+        """Become a member of this generation's ``ids``: read their restart counts, build the group."""
+        self.members = sorted(ids)
+        values = self.store.multi_get([self.key(f"alive/{i}") for i in self.members])
+        rows = [v.decode().split(":") for v in values]
+        self.incarnation = {i: int(row[0]) for i, row in zip(self.members, rows)}
+        self.machine_of = {i: int(row[1]) for i, row in zip(self.members, rows)}
+        old = detach_default_group()
+        if old is not None:
+            self.graveyard.append(old)
+        dist.init_process_group(self.backend, store=dist.PrefixStore(self.key("pg"), self.store),
+                                rank=self.members.index(self.replica_id), world_size=len(self.members),
+                                timeout=self.timeout)
+
+    # ---------------------------------------------------------------- what the reducer asks
+    def wait(self, handle: Any, timeout: timedelta) -> None:
+        """Wait in slices; between them, end at once if the group is broken or a member exited."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            step = min(SLICE, max(deadline - time.monotonic(), 0.001))
+            try:
+                bounded_wait(handle, timedelta(seconds=step))
+                return
+            except Exception:
+                if _finished(handle):  # it ended as the slice did, or failed (a peer's connection closed)
+                    bounded_wait(handle, timedelta(seconds=1))  # returns, or raises the collective's error
+                    return
+            gone = self._gone()
+            if gone:
+                raise PeerFailure(f"gradsync: {gone}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError("operation timed out")
+
+    def _gone(self) -> str:
+        """Why the group cannot finish a collective ('' while it can)."""
+        if self.store.check([self.key("broken")]):
+            return f"a member of generation {self.generation} stopped using its group"
+        for m in self.members:
+            if m != self.replica_id and self._exited(m):
+                return f"replica {m} exited"
+        return ""
+
+    def _alive_value(self) -> str:
+        return f"{self.restart}:{self.machine}"
+
+    def _exited(self, m: int) -> bool:
+        """Member ``m``'s process ended (its launcher said so), or its launcher stopped beating."""
+        if self.store.check([f"{P}/exit/{m}/{self.incarnation.get(m, -1)}"]):
+            return True
+        machine = self.machine_of.get(m)
+        if machine is None or machine == self.machine:
+            return False
+        beat, now = self.store.add(f"{P}/heartbeat/{machine}", 0), time.monotonic()
+        last = self._beats.get(machine)
+        if last is None or last[0] != beat:
+            self._beats[machine] = (beat, now)
+            return False
+        return beat > 0 and now - last[1] > STALE
+
+    def broken(self, failure: BaseException) -> None:
+        if self._failed_at is None:
+            self._failed_at = time.monotonic()
+        self.store.set(self.key("broken"), str(self.replica_id))
+
+    def commit(self, sync: int) -> bool:
+        decision = self.key(f"decision/{sync}")
+        if self.store.add(self.key(f"vote/{sync}"), 1) == len(self.members):
+            return self.store.compare_set(decision, "", "commit") == b"commit"
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            try:
+                self.store.wait([decision], timedelta(seconds=SLICE))
+                return self.store.get(decision) == b"commit"
+            except dist.DistStoreError:
+                pass
+            if self._gone() or time.monotonic() >= deadline:
+                return self.store.compare_set(decision, "", "abort") == b"commit"
+
+    def reform(self, failure: BaseException, sync: int, window: tuple[int, int] | None) -> dist.ProcessGroup:
+        start = self._failed_at or time.monotonic()
+        if self.store.compare_set(self.key(f"decision/{sync}"), "", "abort") == b"commit":
+            raise SyncError(f"gradsync: synced backward {sync} committed on every member, yet this member "
+                            "did not finish it; this is a bug in gradsync") from failure
+        before, g = list(self.members), self.generation + 1
+        while True:  # a member that dies while the next group forms costs one more generation
+            self.store.set(self.key(f"alive/{self.replica_id}", g), self._alive_value())
+            agreed = self._agree(g, before)
+            if self.replica_id not in agreed:
+                raise MembershipError(f"gradsync: replica {self.replica_id} was left out of generation {g} "
+                                      f"(members {agreed}): the others took it for gone") from failure
+            if len(agreed) < self.min_replicas:
+                reason = (f"only replicas {agreed} are left in generation {g}, fewer than --min-replicas "
+                          f"{self.min_replicas}")
+                self.store.set(f"{P}/job/failed", reason)
+                raise MembershipError(f"gradsync: {reason}; the job ends") from failure
+            self.generation = g
+            try:
+                self._adopt(agreed)
+                break
+            except (RuntimeError, dist.DistError) as exc:  # connecting the new group failed
+                failure, g = exc, g + 1
+        left = [m for m in before if m not in self.members]
+        lost = len(left) * (window[1] if window else 1)
+        event = MembershipEvent(generation=g, window=window[0] - 1 if window else sync, left=left, joined=[],
+                                micro_steps_lost=lost, seconds=self.slowest(time.monotonic() - start))
+        self.events.append(event)
+        self._failed_at = None
+        log.warning("gradsync.elastic: generation %d: replica(s) %s left in window %d (%d micro-steps lost); "
+                    "members %s; re-formed in %.2f s", g, left, event.window, lost, self.members, event.seconds)
+        return dist.group.WORLD
+
+    def slowest(self, seconds: float) -> float:
+        """The longest any member took from the failure it saw to the new group: the same on every member."""
+        self.store.set(self.key(f"seconds/{self.replica_id}"), f"{seconds:.4f}")
+        keys = [self.key(f"seconds/{m}") for m in self.members]
+        self.store.wait(keys, self.timeout)
+        return max(float(v) for v in self.store.multi_get(keys))
+
+    def _agree(self, g: int, before: list[int]) -> list[int]:
+        """Wait until every member of the last generation arrived in generation ``g`` or is gone; the
+        first proposal written wins, so every survivor adopts the same list."""
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            arrived, pending = [], []
+            for m in before:
+                if self._exited(m):
+                    continue
+                (arrived if self.store.check([self.key(f"alive/{m}", g)]) else pending).append(m)
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(0.01)
+        chosen = self.store.compare_set(self.key("members", g), "", json.dumps(arrived))
+        return json.loads(chosen)
+
+
+def _finished(handle: Any) -> bool:
+    return handle.done() if is_future(handle) else handle.is_completed()
+
+
+_membership: StoreMembership | None = None
+
+
+def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60.0) -> None:
+    """Join the job that ``gradsync run`` launched and make its group torch's default process group.
+
+    Returns once every replica of the launch has arrived (generation 0). A gradsync model built
+    afterwards without ``process_group=`` follows every membership change. ``timeout`` bounds
+    every wait (seconds or a timedelta)."""
+    global _membership
+    if _membership is not None:
+        raise RuntimeError("gradsync: gradsync.elastic.init_process_group() was already called in this process")
+    env = os.environ
+    if "GRADSYNC_COORDINATOR" not in env:
+        raise RuntimeError("gradsync: gradsync.elastic.init_process_group() needs the replicas started by "
+                           "`gradsync run --replicas N script.py` (GRADSYNC_COORDINATOR is not set)")
+    if dist.is_initialized():
+        raise RuntimeError("gradsync: torch.distributed is already initialized; with gradsync.elastic the "
+                           "script makes no init_process_group() call of its own")
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    host, _, port = env["GRADSYNC_COORDINATOR"].rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    m = StoreMembership(store, backend=backend, replica_id=int(env["GRADSYNC_REPLICA_ID"]),
+                        restart=int(env.get("GRADSYNC_RESTART", "0")), replicas=int(env["GRADSYNC_REPLICAS"]),
+                        min_replicas=int(env.get("GRADSYNC_MIN_REPLICAS", "1")), timeout=timeout,
+                        machine=int(env.get("GRADSYNC_MACHINE", "0")))
+    m.form_first()
+    _membership = m
+    core_membership.install(m)
+    if not log.handlers and not logging.getLogger().handlers:  # one line per change, on stderr
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+
+
+def _current() -> StoreMembership:
+    if _membership is None:
+        raise RuntimeError("gradsync: call gradsync.elastic.init_process_group() first")
+    return _membership
+
+
+def membership() -> StoreMembership:
+    """This process's membership (its generation, join figures); after ``init_process_group``."""
+    return _current()
+
+
+def register(name: str, obj: Any) -> None:
+    """Send ``obj``'s ``state_dict()`` to every replica that joins (``load_state_dict`` there): e.g. a data
+    loader's position or an RNG. Register the same names on every replica before the first window."""
+    if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+        raise TypeError(f"gradsync: register() needs an object with state_dict() and load_state_dict(), got "
+                        f"{type(obj).__name__}")
+    _current().registered[str(name)] = obj
+
+
+def members() -> list[int]:
+    """The sorted replica ids of the current membership, the same on every member."""
+    return list(_current().members)
+
+
+def events() -> list[MembershipEvent]:
+    """The membership changes seen so far, the same list on every member."""
+    return list(_current().events)
+
+
+__all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "init_process_group", "members", "membership",
+           "register"]

@@ -1,0 +1,110 @@
+"""The data plane: start a bucket's collective (the default all-reduce or a comm hook) and take its result.
+
+The reducer decides *when* (buckets launch strictly in index order on every rank, so collectives
+pair up across ranks even when gradients become ready in different orders); the launcher decides
+*how*. ``ShardedLauncher`` (``sharded/launcher.py``) reduce-scatters instead.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .._torch import is_future
+from .comm import CommHook, GradBucket, issues_one_collective
+from .plane import ControlPlane
+from .store import Bucket
+
+
+class BucketLauncher:
+    def __init__(self, group: dist.ProcessGroup, plane: ControlPlane, params: list[torch.Tensor]):
+        self.group = group
+        self.plane = plane  # every wait is bounded there
+        self.params = params
+        self.hook: CommHook | None = None
+        self.state: Any = None
+
+    def set_hook(self, hook: CommHook | None, state: Any) -> None:
+        self.hook, self.state = hook, state
+
+    @property
+    def divides_on_copy(self) -> bool:
+        """The default all-reduce sums averages: the store divides each gradient as it copies it in.
+        A hook divides (or not) itself."""
+        return self.hook is None
+
+    def launch(self, bucket: Bucket, buckets: list[Bucket], traced: bool) -> None:
+        """Start ``bucket``'s collective; its handle goes to ``bucket.handle``."""
+        if traced:
+            bucket.times["launch"] = time.perf_counter()
+        previous = buckets[bucket.index - 1].handle if bucket.index else None
+        bucket.handle = self.issue(bucket.index, bucket.buffer, bucket.views, bucket.members, previous,
+                                   bucket.index == len(buckets) - 1)
+        if traced:
+            fut = bucket.handle if is_future(bucket.handle) else bucket.handle.get_future()
+            times = bucket.times
+            fut.add_done_callback(lambda _f: times.__setitem__("done", time.perf_counter()))
+
+    def issue(self, index: int, buffer: torch.Tensor, views: list[torch.Tensor], members: list[int],
+              previous: Any, is_last: bool) -> Any:
+        """Start bucket ``index``'s collective: the default all-reduce, or the comm hook's future.
+
+        ``previous`` is the handle of bucket ``index - 1``; a hook not known to issue a single
+        collective waits for it first (see ``comm.issues_one_collective``).
+        """
+        if self.hook is None:
+            return dist.all_reduce(buffer, group=self.group, async_op=True)
+        if previous is not None and not issues_one_collective(self.hook, self.group.size()):
+            self.plane.wait(previous, f"bucket {index - 1} (its hook's collectives finish before bucket {index})")
+        if buffer.is_complex():  # as torch's reducer: hooks see the real view (a cast would drop imaginary parts)
+            buffer, views = torch.view_as_real(buffer).view(-1), [torch.view_as_real(v) for v in views]
+        handle = self.hook(self.state, GradBucket(index, buffer, views, [self.params[i] for i in members], is_last))
+        if not is_future(handle):
+            raise TypeError(
+                f"gradsync: the communication hook returned {type(handle).__name__} for bucket {index}; "
+                "it must return a torch.futures.Future of the reduced tensor"
+            )
+        return handle
+
+    def before_control(self, handles: list[Any]) -> None:
+        """A hook that may issue collectives from its futures' callbacks finishes them before the
+        control all-reduce, so the control pairs with the control on every rank."""
+        if self.hook is not None and not issues_one_collective(self.hook, self.group.size()):
+            for index, handle in enumerate(handles):
+                if handle is not None:  # None: a bucket skip_all_reduce_unused_params did not launch
+                    self.plane.wait(handle, f"bucket {index}")
+
+    def result(self, bucket: Bucket) -> torch.Tensor:
+        """Wait for ``bucket``'s collective; return the reduced tensor (checked against the bucket)."""
+        handle = bucket.handle
+        self.plane.wait(handle, f"bucket {bucket.index}")
+        if not is_future(handle):
+            return bucket.buffer
+        result = handle.value()
+        if isinstance(result, (list, tuple)) and len(result) == 1:
+            result = result[0]
+        if bucket.buffer.is_complex() and isinstance(result, torch.Tensor) and not result.is_complex() \
+                and result.dtype == bucket.buffer.real.dtype and result.numel() == 2 * bucket.buffer.numel():
+            result = torch.view_as_complex(result.reshape(-1, 2))  # the hook reduced the real view
+        if not isinstance(result, torch.Tensor) or result.numel() != bucket.buffer.numel():
+            what = (f"a tensor of {result.numel()} elements" if isinstance(result, torch.Tensor)
+                    else type(result).__name__)
+            raise TypeError(
+                f"gradsync: the communication hook's future for bucket {bucket.index} yielded {what}; "
+                f"expected a tensor of {bucket.buffer.numel()} elements (the bucket's buffer)"
+            )
+        if result.dtype != bucket.buffer.dtype:
+            raise TypeError(
+                f"gradsync: the communication hook's future for bucket {bucket.index} yielded a "
+                f"{result.dtype} tensor; expected {bucket.buffer.dtype} (the bucket's dtype). A "
+                "compressing hook must decompress into the bucket's dtype before returning."
+            )
+        return result
+
+    def reset(self) -> None:
+        """The last backward raised before its end."""
+
+
+__all__ = ["BucketLauncher"]

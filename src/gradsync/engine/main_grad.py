@@ -1,0 +1,111 @@
+"""``reduce_dtype``: accumulate and reduce gradients of low-precision parameters in a wider dtype.
+
+With ``reduce_dtype`` every bucket buffer has that dtype and is also the accumulation buffer of
+the window: each gradient is added into its parameter's slot (``param.main_grad``) as soon as
+it is ready, in every backward, and ``.grad`` is released. A parameter's first gradient after
+a synced backward replaces its slot (the previous average) instead of adding to it, so a
+``.grad`` the user did not zero is carried over as in torch. After a synced backward the slot
+holds the average and ``.grad`` is its copy in the parameter's dtype. ``MainGrads`` is owned by
+a bucket store, which tells it where each parameter's slot is (``slot(i)``).
+"""
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+
+import torch
+
+from .._torch import version
+from .control import check_grad
+
+
+class MainGrads:
+    """The window's accumulation slots of a store built with ``reduce_dtype``."""
+
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str], slot: Callable[[int], torch.Tensor],
+                 *, world_size: int, grad_is_slot: bool):
+        self.params, self.names, self.slot = params, names, slot
+        self.world_size = world_size
+        self.grad_is_slot = grad_is_slot  # gradient_as_bucket_view: ``.grad`` may be the slot itself
+        n = len(params)
+        self.fresh = [True] * n  # the next gradient starts a new window (replaces the slot)
+        self._written: list[tuple[weakref.ref, int] | None] = [None] * n
+        me = weakref.ref(self)
+        self._handles = [p.register_hook(_pre_hook(me, i)) for i, p in enumerate(params)]
+
+    def release(self) -> None:
+        """The wrapper is gone: gradients stay in ``.grad`` from now on."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def forget_window(self) -> None:
+        """Every slot starts a new window at its next gradient (the window's sums are dropped)."""
+        self.fresh = [True] * len(self.params)
+
+    def _start_slot(self, i: int) -> None:
+        """Begin parameter ``i``'s window: its slot starts from ``.grad`` (None: zero), exactly
+        (the fp32 average) when ``.grad`` is still the untouched copy written at the last sync."""
+        p, view = self.params[i], self.slot(i)
+        written = self._written[i]
+        if p.grad is None:
+            view.zero_()
+        elif not (written is not None and written[0]() is p.grad and version(p.grad) == written[1]):
+            check_grad(p.grad, torch.empty_like(p, device="meta"), self.names[i])
+            view.copy_(p.grad.detach())
+        self.fresh[i] = False
+
+    @torch.no_grad()
+    def add(self, i: int, grad: torch.Tensor) -> None:
+        """Add a gradient of parameter ``i``, as autograd delivers it, into its slot."""
+        if self.fresh[i]:
+            self._start_slot(i)
+        self.slot(i).add_(grad.detach())
+
+    def release_grad(self, i: int) -> None:
+        """After autograd accumulated into ``.grad``: the slot already holds it, so free it."""
+        if self.fresh[i]:
+            self._start_slot(i)
+        self.params[i].grad = None
+
+    def copy_in(self, i: int, divide: bool) -> None:
+        """Synced backward: make parameter ``i``'s slot hold this rank's window sum, ready to reduce."""
+        self.release_grad(i)
+        if divide:
+            self.slot(i).div_(self.world_size)
+
+    def write_back(self, i: int, view: torch.Tensor) -> None:
+        p = self.params[i]
+        if self.grad_is_slot and p.dtype == view.dtype:
+            p.grad = view
+        else:
+            p.grad = view.to(p.dtype, copy=True)
+        self._written[i] = (weakref.ref(p.grad), version(p.grad))
+
+    def link(self, views: Sequence[torch.Tensor], old_views: Sequence[torch.Tensor] | None) -> None:
+        """Point ``param.main_grad`` at the (new) slots, keeping their values across a re-plan."""
+        for i, p in enumerate(self.params):
+            if old_views is not None:
+                views[i].copy_(old_views[i])
+            p.main_grad = views[i]
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """Return the window's accumulated slots, keyed by parameter name."""
+        return {self.names[i]: self.slot(i).clone() for i in range(len(self.params)) if not self.fresh[i]}
+
+    def load_state(self, main: dict[str, torch.Tensor]) -> None:
+        for i, name in enumerate(self.names):
+            self.fresh[i] = name not in main
+            if name in main:
+                self.slot(i).copy_(main[name])
+
+
+def _pre_hook(main: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
+    def hook(grad: torch.Tensor) -> None:
+        me = main()
+        if me is not None and me._handles:
+            me.add(i, grad)
+    return hook
+
+
+__all__ = ["MainGrads"]

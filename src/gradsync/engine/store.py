@@ -1,0 +1,275 @@
+"""The bucket store: flat buffers, per-parameter views, copy-in, write-back, re-planning from an order.
+
+``BucketStore`` owns gradient memory and nothing else: it issues no collective and keeps no
+iteration state. The reducer calls ``copy_in(i)`` when a gradient is ready in a synced backward,
+``keep_local(i)`` in a local one, and ``write_back(bucket, result, counts)`` once a bucket's
+average is known; ``replan(order, caps)`` lays the buckets out again from an order every rank
+agreed on. ``ShardedBucketStore`` (``sharded/store.py``) is the same interface for
+ZeRO-2-style shards.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .buckets import plan_buckets
+from .config import Caps
+from .._torch import foreach_copy_, foreach_div_
+from .control import check_grad
+from .main_grad import MainGrads
+
+
+@dataclass
+class Bucket:
+    index: int
+    members: list[int]  # parameter indices
+    buffer: torch.Tensor | None
+    views: list[torch.Tensor]  # per-member views of ``buffer``, shaped like the parameters
+    pending: int = 0  # members not ready yet in this synced backward
+    handle: Any = None  # dist.Work (default path) or torch.futures.Future (hook path)
+    # ``copy_in`` with ``divide``: members copied in since the round began (the reducer zeroes it as a
+    # synced backward begins), how many of them were divided on the way, the slots left to divide
+    copied: int = 0
+    divided: int = 0
+    undivided: list[torch.Tensor] = field(default_factory=list)
+    times: dict[str, float] = field(default_factory=dict)  # the comm trace's timestamps
+
+
+# A gradient of fewer elements is copied into its slot and divided with the bucket's other small slots
+# in one call once the bucket is complete (the slot is still in cache then); a larger one is divided
+# on its way in, one pass over its memory. A Python-issued division costs several microseconds of
+# overhead however small the tensor: on models of many small parameters that was most of the hook.
+SMALL_SLOT = 1 << 14
+
+
+def is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
+    return grad is not None and grad.data_ptr() == view.data_ptr()
+
+
+def warn_create_graph() -> None:
+    warnings.warn(
+        "gradsync: backward(create_graph=True) with DistributedDataParallel: the gradients are "
+        "averaged across ranks, but the higher-order graph is not (as in torch's DDP): gradients of "
+        "the gradients stay rank-local.", stacklevel=4)
+
+
+class BucketStore:
+    """Gradient buckets of full size, one per group of parameters, averaged by an all-reduce."""
+
+    replans = True  # buckets may be laid out again from the observed gradient order
+    # the window's local gradients survive a reduction (not views of the buckets, nor their slots)
+    keeps_local_grads = property(lambda self: not self.grad_as_view and self.main is None)
+    sharded = False
+    exclusive = False  # True: only the store's own optimizer may step its parameters (guard.py)
+
+    def __init__(self, params: list[torch.Tensor], names: list[str], *, world_size: int, caps: Caps,
+                 reduce_dtype: torch.dtype | None = None, gradient_as_bucket_view: bool = False):
+        self.params, self.names = params, names
+        self.world_size = world_size
+        self.caps = caps  # the caps in use: the one owner ("auto" changes them through replan)
+        self.reduce_dtype = reduce_dtype
+        self.grad_as_view = gradient_as_bucket_view
+        self.plan_order: list[int] | None = None  # rank 0's observed order, once re-planned
+        self.buckets: list[Bucket] = []
+        self.views: list[torch.Tensor] = []
+        self.view_ptrs: list[int] = []  # each view's data_ptr(): is ``.grad`` the view (is_view_of), read once
+        self.bucket_of = [0] * len(params)
+        self._build(plan_buckets(params, *caps))
+        self.main = None
+        if reduce_dtype is not None:
+            self.main = MainGrads(params, names, self.slot, world_size=world_size, grad_is_slot=gradient_as_bucket_view)
+            self.main.link(self.views, None)
+
+    def _build(self, plan: list[list[int]]) -> None:
+        old_views = self.views or None
+        self.buckets, self.views = [], [None] * len(self.params)  # type: ignore[list-item]
+        for b, members in enumerate(plan):
+            first = self.params[members[0]]
+            total = sum(self.params[i].numel() for i in members)
+            buffer = torch.zeros(total, dtype=self.reduce_dtype or first.dtype, device=first.device)
+            views, offset = [], 0
+            for i in members:
+                p = self.params[i]
+                views.append(buffer[offset:offset + p.numel()].view(p.shape))
+                offset += p.numel()
+                self.views[i] = views[-1]
+                self.bucket_of[i] = b
+            self.buckets.append(Bucket(b, list(members), buffer, views))
+        self.view_ptrs = [v.data_ptr() for v in self.views]
+        if old_views is None:
+            return
+        if self.main is not None:
+            self.main.link(self.views, old_views)
+        if self.grad_as_view:
+            for i, p in enumerate(self.params):
+                if is_view_of(p.grad, old_views[i]):
+                    self.views[i].copy_(p.grad)
+                    p.grad = self.views[i]
+
+    def slot(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s place in its bucket."""
+        return self.views[i]
+
+    def plan(self) -> list[list[int]]:
+        """The current buckets as lists of parameter indices."""
+        return [list(b.members) for b in self.buckets]
+
+    def replan(self, order: list[int], caps: Caps | None = None) -> None:
+        """Lay the buckets out from ``order`` (every rank's the same) and ``caps`` (default: the current)."""
+        self.plan_order = list(order)
+        if caps is not None:
+            self.caps = caps
+        plan = plan_buckets(self.params, *self.caps, order)
+        if plan != self.plan():
+            self._build(plan)
+
+    def nbytes(self, bucket: Bucket) -> int:
+        return bucket.buffer.numel() * bucket.buffer.element_size()
+
+    # ---------------------------------------------------------------- gradients in and out
+    def copy_in(self, i: int, divide: bool) -> None:
+        """Put parameter ``i``'s window gradient into its slot; ``divide``: average on the way, which
+        saves a pass over the bucket (no comm hook: the all-reduce then sums averages). Small slots
+        (``SMALL_SLOT``) and slots that already are ``.grad`` are divided together once the bucket's
+        last member is in: one division per bucket, the same values."""
+        grad = self.params[i].grad
+        view = self.views[i]
+        if grad is not None and grad.requires_grad:  # backward(create_graph=True)
+            warn_create_graph()
+            grad = grad.detach()
+        if self.main is not None:
+            self.main.copy_in(i, divide)
+            return
+        now = False  # divided on its way in
+        if grad is None:
+            view.zero_()
+        elif self.grad_as_view and self._is_slot(i, grad):  # divided in place later
+            pass
+        else:
+            check_grad(grad, view, self.names[i])
+            if divide and view.numel() >= SMALL_SLOT:
+                torch.div(grad, self.world_size, out=view)
+                now = True
+            else:
+                view.copy_(grad)
+            if self.grad_as_view:
+                self.params[i].grad = view
+        if divide:
+            self._divide_when_complete(self.buckets[self.bucket_of[i]], view, now, grad is None)
+
+    def _divide_when_complete(self, bucket: Bucket, view: torch.Tensor, divided: bool, zero: bool) -> None:
+        """Count a member in; once all are, divide what was not divided on the way: the whole buffer
+        when nothing was, else the slots left (zeroed slots need nothing)."""
+        if bucket.copied == 0:  # a new round: forget what an interrupted one left
+            bucket.divided, bucket.undivided = 0, []
+        bucket.copied += 1
+        if divided:
+            bucket.divided += 1
+        elif not zero:
+            bucket.undivided.append(view)
+        if bucket.copied < len(bucket.members):
+            return
+        if bucket.divided == 0:
+            bucket.buffer.div_(self.world_size)
+        elif bucket.undivided:
+            foreach_div_(bucket.undivided, self.world_size)
+        bucket.copied, bucket.divided, bucket.undivided = 0, 0, []
+
+    def keep_local(self, i: int) -> None:
+        """Unsynced backward: keep parameter ``i``'s gradient for the next synced one."""
+        if self.main is not None:
+            self.main.release_grad(i)
+        elif self.grad_as_view:
+            grad = self.params[i].grad
+            if grad is not None and not self._is_slot(i, grad):  # replaced by autograd: copy it in
+                self._adopt_view(i)
+
+    def _is_slot(self, i: int, grad: torch.Tensor) -> bool:
+        """``is_view_of(grad, self.views[i])``, from the view's data pointer read once at the build."""
+        return grad.data_ptr() == self.view_ptrs[i]
+
+    def _adopt_view(self, i: int) -> None:
+        """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced)."""
+        p = self.params[i]
+        grad = p.grad
+        if grad is None or self._is_slot(i, grad):
+            return
+        view = self.views[i]
+        check_grad(grad, view, self.names[i])
+        view.copy_(grad.detach())
+        p.grad = view
+
+    @torch.no_grad()  # a create_graph backward runs this with grad mode on: record nothing
+    def write_back(self, bucket: Bucket, result: torch.Tensor | None, counts: list[int]) -> None:
+        """Make ``.grad`` the bucket's average; a parameter no rank used keeps its ``.grad`` (None stays None)."""
+        if result is not bucket.buffer:
+            bucket.buffer.copy_(result.reshape(bucket.buffer.shape))
+        params, main = self.params, self.main
+        if main is not None:
+            for i, view in zip(bucket.members, bucket.views):
+                main.fresh[i] = True  # the next gradient starts a new window
+                if counts[i]:
+                    main.write_back(i, view)
+        elif self.grad_as_view:
+            for i, view in zip(bucket.members, bucket.views):
+                if counts[i]:
+                    grad = params[i].grad
+                    if grad is None or not self._is_slot(i, grad):
+                        params[i].grad = view
+        else:
+            grads, views = [], []  # the copies in one call
+            for i, view in zip(bucket.members, bucket.views):
+                if counts[i]:
+                    grad = params[i].grad
+                    if grad is None:
+                        params[i].grad = view.clone()
+                    else:
+                        grads.append(grad)
+                        views.append(view)
+            if grads:
+                foreach_copy_(grads, views)
+
+    def drop_local(self) -> None:
+        """Drop every local gradient (``.grad`` and, with ``reduce_dtype``, the window's slots)."""
+        for p in self.params:
+            p.grad = None
+        if self.main is not None:
+            self.main.forget_window()
+
+    def has_local_grad(self, i: int) -> bool:
+        """Parameter ``i`` holds a gradient of this rank (in ``.grad`` or its window slot)."""
+        return self.params[i].grad is not None or (self.main is not None and not self.main.fresh[i])
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        """The tensors holding gradients (``.grad`` and, with ``reduce_dtype``, the buckets), once each."""
+        grads = [p.grad for i, p in enumerate(self.params) if p.grad is not None
+                 and not (self.main is not None and is_view_of(p.grad, self.views[i]))]
+        if self.main is not None:
+            grads += [b.buffer for b in self.buckets]
+        return grads
+
+    # ---------------------------------------------------------------- the reducer's phases
+    def begin_backward(self, syncing: bool) -> None:
+        """A backward starts (full-size buckets need nothing)."""
+
+    def end_sync(self) -> None:
+        """A synced backward's checks passed and every bucket was written back."""
+
+    def reset(self) -> None:
+        """The last backward raised before its end: drop what it left in flight."""
+        for b in self.buckets:
+            b.copied, b.divided, b.undivided = 0, 0, []
+
+    def release(self) -> None:
+        """The wrapper is gone."""
+        if self.main is not None:
+            self.main.release()
+
+    def check_foreign_step(self, optimizer: Any) -> None:
+        """Only for ``exclusive`` stores: raise for an optimizer that must not step these parameters."""
+
+
+__all__ = ["Bucket", "BucketStore", "is_view_of"]

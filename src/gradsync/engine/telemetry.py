@@ -1,0 +1,168 @@
+"""What only the reducer sees: each rank's own backward time, its wait for the reduction, the slow rank.
+
+Under DDP every rank waits for the slowest in the all-reduce, so timings taken from outside look
+alike. The reducer knows when this rank's last gradient of a synced backward was ready (its own
+work: from the forward's end, less the time its hooks waited on the phase header) and how long it
+waited on the others (that header wait, then until every bucket was reduced). Each rank writes both, and its local gradient's squared norm when
+asked (``GradientAccumulator(noise_scale=True)``), into its own slots of the end-of-backward control
+(``control.py``): no extra collective, the same report on every rank.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .control import telemetry as control_slots
+
+log = logging.getLogger("gradsync")
+
+
+@dataclass(frozen=True)
+class RankSync:
+    """One rank's part of one synced backward."""
+
+    compute_ms: float  # from its forward's end until its last gradient was ready, less its waits
+    wait_ms: float  # waiting on the other ranks: its hooks' wait on the header, then until every bucket was reduced
+    local_norm2: float | None = None  # |its window's local gradient|^2, when measured (noise scale)
+
+
+@dataclass(frozen=True)
+class SyncReport:
+    """A synced backward as every rank saw it; the same on every rank."""
+
+    sync: int
+    ranks: dict[int, RankSync]
+    slowest: int  # the rank whose gradients were ready last
+
+
+def read_report(values: torch.Tensor, norms: torch.Tensor, active: list[int], sync: int,
+                measured: bool) -> SyncReport:
+    """Build the report from the reduced control's telemetry slots (``control.telemetry``)."""
+    us, n2 = values.tolist(), norms.tolist()
+    w = len(n2)
+    ranks = {r: RankSync(us[r] / 1000.0, us[w + r] / 1000.0, n2[r] if measured else None) for r in active}
+    return SyncReport(sync, ranks, max(active, key=lambda r: ranks[r].compute_ms))
+
+
+class Stragglers:
+    """Warn (once per episode) when one rank is the slowest in every one of the last ``WINDOW`` synced
+    backwards and its own backward is clearly slower than the other ranks' (``RATIO`` and ``MIN_MS``:
+    noise on a loaded machine does not reach both)."""
+
+    WINDOW, RATIO, MIN_MS = 3, 1.5, 50.0
+
+    def __init__(self) -> None:
+        self.history: deque[SyncReport] = deque(maxlen=self.WINDOW)
+        self.warned: int | None = None  # the rank of the episode in progress
+
+    def observe(self, report: SyncReport) -> str | None:
+        """Add a report; return the warning's text when an episode starts."""
+        if len(report.ranks) < 2:
+            return None
+        self.history.append(report)
+        slow = self._straggler()
+        if slow is None:
+            self.warned = None
+            return None
+        rank, mine, others = slow
+        if self.warned == rank:
+            return None
+        self.warned = rank
+        text = (f"gradsync: rank {rank} was the slowest in {self.WINDOW} of the last {self.WINDOW} synced "
+                f"backwards: its backward took {mine:.0f} ms, the median rank's {others:.0f} ms. A straggler: "
+                "every other rank waits for it in each all-reduce (see model.sync_report())")
+        log.warning(text)
+        return text
+
+    def _straggler(self) -> tuple[int, float, float] | None:
+        if len(self.history) < self.WINDOW or len({r.slowest for r in self.history}) != 1:
+            return None
+        rank = self.history[-1].slowest
+        mine = statistics.median(r.ranks[rank].compute_ms for r in self.history)
+        others = statistics.median(statistics.median(s.compute_ms for k, s in r.ranks.items() if k != rank)
+                                   for r in self.history)
+        if mine >= self.RATIO * others and mine - others >= self.MIN_MS:
+            return rank, mine, others
+        return None
+
+
+def local_norm2(reducer: Any) -> torch.Tensor:
+    """The reducer's window gradient's squared norm, from what its buckets received (undone /W)."""
+    total = reducer.it.norm2 if reducer.it.norm2 is not None else torch.zeros((), device=reducer.device)
+    return total * reducer.world_size ** 2 if reducer.launcher.divides_on_copy else total
+
+
+def record_report(reducer: Any, control: torch.Tensor, active: list[int]) -> None:
+    """Read the reduced control's telemetry into ``reducer.last_report``; watch for a straggler."""
+    values, norms = control_slots(control, reducer.world_size, len(reducer.params))
+    reducer.last_report = read_report(values, norms, active, reducer.counters.sync, reducer.measure_norm)
+    if reducer.stragglers is not None:
+        reducer.stragglers.observe(reducer.last_report)
+
+
+def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
+    """Every rank's comm trace as one Chrome trace (``chrome://tracing``, Perfetto): a process per rank
+    with a row for the synced backward split into its own work and its waits, and a row for the buckets
+    (launched to reduced). Ranks' clocks differ, so each synced backward is aligned on its end, which
+    every rank reaches together (the reduction completes everywhere at once)."""
+    events = []
+    for rank, records in enumerate(records_by_rank):
+        events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
+        for tid, name in ((0, "backward: own work / waits"), (1, "buckets: launched to reduced")):
+            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
+    for i, anchor in enumerate(records_by_rank[0]):
+        for rank, records in enumerate(records_by_rank):
+            if i >= len(records):
+                continue
+            rec = records[i]
+            shift = anchor["backward_end"] - rec["backward_end"]
+            us = lambda t: round((t + shift) * 1e6, 1)  # noqa: E731
+            end = us(rec["backward_end"])
+            compute_ms, wait_ms = rec.get("ranks", {}).get(rank, (None, None))
+            if compute_ms is not None:
+                events.append({"ph": "X", "pid": rank, "tid": 0, "name": "own work", "ts": end - (compute_ms + wait_ms) * 1e3,
+                               "dur": compute_ms * 1e3, "args": {"synced backward": rec["iteration"]}})
+                events.append({"ph": "X", "pid": rank, "tid": 0, "name": "waiting on the others",
+                               "ts": end - wait_ms * 1e3, "dur": wait_ms * 1e3, "args": {"synced backward": rec["iteration"]}})
+            for b in rec["buckets"]:
+                if "launch" in b and "done" in b:
+                    events.append({"ph": "X", "pid": rank, "tid": 1, "name": f"bucket {b['index']}",
+                                   "ts": us(b["launch"]), "dur": round((b["done"] - b["launch"]) * 1e6, 1),
+                                   "args": {"bytes": b["bytes"], "ready_us": us(b.get("ready", b["launch"]))}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+class ReportMethods:
+    """The wrapper's methods over the reducer's report and trace (a mixin of ``DistributedDataParallel``)."""
+
+    def export_trace(self, path: str) -> None:
+        """Write every rank's comm trace (``enable_comm_trace()``) to ``path`` as one Chrome trace /
+        Perfetto JSON (``engine/telemetry.py``). A collective: call it on every rank; rank 0 writes."""
+        if self.reducer.trace is None:
+            raise RuntimeError("gradsync: export_trace() draws the comm trace: call model.enable_comm_trace() "
+                               "before the synced backwards you want to see")
+        everyone: list[Any] = [None] * self.world_size
+        dist.all_gather_object(everyone, self.reducer.trace, group=self.process_group)
+        if dist.get_rank(self.process_group) == 0:
+            with open(path, "w") as f:
+                json.dump(chrome_trace(everyone), f)
+
+    def measure_local_norms(self) -> None:
+        """From now on each synced backward's report carries every rank's local squared gradient norm."""
+        self.reducer.measure_norm = True
+
+    def sync_report(self) -> Any:
+        """The latest synced backward as every rank saw it (``engine/telemetry.py``): ``ranks[r].compute_ms``
+        (rank r's own backward), ``ranks[r].wait_ms`` (its waits on the others), ``slowest``; the same
+        on every rank; None before the first synced backward."""
+        return self.reducer.last_report
+
+
+__all__ = ["ReportMethods", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "read_report", "record_report"]

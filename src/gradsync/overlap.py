@@ -1,0 +1,115 @@
+"""The optimizer overlapped with communication: step each bucket's parameters once it is reduced.
+
+``overlap_optimizer(model, optimizer)`` makes every synced backward of ``model`` step
+``optimizer`` bucket by bucket: as soon as a bucket's reduction completes, its averaged
+gradients are written back and the optimizer runs on that bucket's parameters while later
+buckets are still in flight. ``optimizer.step()`` after such a backward does nothing, so an
+unchanged loop (and ``GradientAccumulator.wrap_optimizer``, which steps only where a window
+ends) keeps working. Only element-wise optimizers can be split this way: their update of a
+parameter reads that parameter's gradient and state alone, so stepping the parameters in
+groups gives the same result as one step over all of them.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import process
+from .ddp.seam import ReducerView, SyncTarget
+from .accumulate.optim import WindowOptimizer
+
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+               torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam, torch.optim.RMSprop)
+
+
+class OverlappedStep:
+    """The handle ``overlap_optimizer`` returns; ``remove()`` restores the plain loop."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        reducer = model.reducer if isinstance(model, SyncTarget) else None
+        if not isinstance(reducer, ReducerView) or reducer.is_sharded:
+            raise TypeError("gradsync: overlap_optimizer needs a gradsync.DistributedDataParallel model "
+                            f"(got {type(model).__name__}); ShardedOptimizer already steps on the shards")
+        if isinstance(optimizer, WindowOptimizer):  # the accumulator's wrapper: its step() calls this one's
+            optimizer = optimizer.optimizer
+        if type(optimizer) not in ELEMENTWISE:
+            names = ", ".join(c.__name__ for c in ELEMENTWISE)
+            raise TypeError(
+                f"gradsync: overlap_optimizer cannot split {type(optimizer).__name__}.step() per bucket: only "
+                f"element-wise optimizers ({names}) give the same result stepped bucket by bucket. "
+                "Step this optimizer after backward as usual.")
+        if reducer.bucket_reduced is not None:
+            raise RuntimeError("gradsync: this model already overlaps an optimizer; remove() that one first")
+        if reducer.config.find_unused_parameters:
+            raise ValueError(
+                "gradsync: overlap_optimizer needs find_unused_parameters=False: which parameters got a "
+                "gradient on some rank is known only after the last bucket, too late to step early")
+        owned = {id(p) for p in reducer.params}
+        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
+        if foreign:
+            raise ValueError(
+                f"gradsync: the optimizer holds {len(foreign)} parameter(s) that the model does not reduce "
+                "(another module's, or ones excluded from synchronization); overlap_optimizer steps only "
+                "the model's buckets. Give those parameters their own optimizer.")
+        # the model weakly: its finalizer holds the reducer, which holds this handle
+        self._model, self.optimizer, self.reducer = weakref.ref(model), optimizer, reducer
+        self.stepped = False  # the latest synced backward stepped every bucket; step() is then a no-op
+        self._group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
+        self._plain_step = optimizer.step
+        optimizer.step = self._step  # an instance attribute: remove() deletes it
+        reducer.on_bucket_reduced(self._step_bucket)
+        self._ids = frozenset(owned)
+        process.claim_clip_grad_norm(self)  # refuse clipping after an overlapped step (clip_grad_norm_for)
+
+    @property
+    def model(self) -> nn.Module | None:
+        return self._model()
+
+    def _step_bucket(self, members: list[int]) -> None:
+        params = [self.reducer.params[i] for i in members]
+        groups = self.optimizer.param_groups
+        kept = [g["params"] for g in groups]
+        try:
+            for k, g in enumerate(groups):  # this bucket's parameters only; hyperparameters as they are now
+                g["params"] = [p for p in params if self._group_of.get(id(p)) == k]
+            self._plain_step()
+        finally:
+            for g, ps in zip(groups, kept):
+                g["params"] = ps
+        self.stepped = members[-1] == self.reducer.buckets[-1].members[-1] or self.stepped
+
+    def _step(self, closure: Any = None) -> Any:
+        if closure is not None:
+            raise RuntimeError("gradsync: with overlap_optimizer the step happens inside the synced "
+                               "backward; step(closure) cannot re-run it. Call backward, then step().")
+        if not self.stepped:
+            raise RuntimeError(
+                "gradsync: optimizer.step() without a synced backward since the last step: with "
+                "overlap_optimizer the optimizer steps inside each synced backward, bucket by bucket. "
+                "Step only after the backward that synchronizes (e.g. the last micro-step of a window).")
+        self.stepped = False
+        return None
+
+    def remove(self) -> None:
+        """Step after backward again, as without ``overlap_optimizer``."""
+        if self.reducer.bucket_reduced == self._step_bucket:
+            self.reducer.on_bucket_reduced(None)
+        self.optimizer.__dict__.pop("step", None)
+        process.release_clip_grad_norm(self)
+
+    def clip_grad_norm_for(self, params: list[torch.Tensor], *args: Any) -> None:
+        """Asked by ``torch.nn.utils.clip_grad_norm_``: refuse once this backward's step was made."""
+        if self.stepped and any(id(p) in self._ids for p in params):
+            raise RuntimeError(
+                "gradsync: clip_grad_norm_ after a backward whose optimizer step overlap_optimizer "
+                "already made, bucket by bucket: clipping now changes nothing, and a global norm "
+                "cannot be known before the last bucket. Remove overlap_optimizer (handle.remove()) "
+                "to clip.")
+
+
+def overlap_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> OverlappedStep:
+    """Step ``optimizer`` on each bucket's parameters as soon as that bucket is reduced."""
+    return OverlappedStep(model, optimizer)

@@ -1,0 +1,84 @@
+"""``torch.nn.utils.clip_grad_norm_`` on a sharded model: clip the shards by their global norm."""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import process
+from .._torch import foreach_mul_
+
+
+@torch.no_grad()
+def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
+                error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip ``reducer``'s gradient shards by their global norm (across all ranks); return that norm."""
+    reducer.store.check_ready_to_step()
+    norm_type = float(norm_type)
+    shards = [b.grad_shard for b in reducer.buckets]
+    device = shards[0].device
+    if norm_type == float("inf"):
+        local = torch.stack([s.abs().max() for s in shards]).max().to(torch.float64)
+        op = dist.ReduceOp.MAX
+    else:
+        local = sum((s.double().abs().pow(norm_type).sum() for s in shards),
+                    torch.zeros((), dtype=torch.float64, device=device))
+        op = dist.ReduceOp.SUM
+    reducer.wait(dist.all_reduce(local, op=op, group=reducer.group, async_op=True), "the gradient-norm all-reduce")
+    total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
+    total = total.to(shards[0].dtype)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"gradsync: the total norm of order {norm_type} of the gradients is "
+                           "non-finite, so it cannot be clipped. Pass error_if_nonfinite=False "
+                           "to clip anyway.")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    foreach_mul_(shards, coef)
+    return total
+
+
+class _ShardedClip:
+    """Answers ``torch.nn.utils.clip_grad_norm_`` for one sharded reducer (``process.py``).
+
+    Its ``.grad`` is None after a synced backward: torch's function would clip nothing and return
+    0. Given all of the model's parameters, it clips the shards; given part of them, it refuses.
+    """
+
+    def __init__(self, reducer: Any):
+        self.reducer = weakref.ref(reducer)
+        self.ids = frozenset(id(p) for p in reducer.params)
+
+    def clip_grad_norm_for(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
+                           error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor | None:
+        reducer = self.reducer()
+        given = {id(p) for p in params if id(p) in self.ids}
+        if reducer is None or not given:
+            return None
+        others = [p for p in params if id(p) not in self.ids and p.grad is not None]
+        if len(given) < len(self.ids) or others:
+            raise RuntimeError(
+                "gradsync: torch.nn.utils.clip_grad_norm_ got some, not all, of a "
+                "ShardedDataParallel model's parameters (or them mixed with other parameters "
+                "that have gradients). Their gradients live in per-rank shards; call "
+                "model.clip_grad_norm_(max_norm), which clips all of them by their global norm.")
+        return clip_shards(reducer, max_norm, norm_type, error_if_nonfinite)
+
+
+_owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # reducer -> its _ShardedClip
+
+
+def claim_for_sharded(reducer: Any) -> None:
+    """Let ``torch.nn.utils.clip_grad_norm_`` clip ``reducer``'s shards while it lives."""
+    if reducer not in _owners:
+        _owners[reducer] = owner = _ShardedClip(reducer)
+        process.claim_clip_grad_norm(owner)
+
+
+def release_for_sharded(reducer: Any) -> None:
+    owner = _owners.pop(reducer, None)
+    if owner is not None:
+        process.release_clip_grad_norm(owner)
+
+
+__all__ = ["claim_for_sharded", "clip_shards", "release_for_sharded"]

@@ -1,0 +1,68 @@
+"""The sharded data plane: reduce-scatter each full bucket into this rank's gradient shard.
+
+Plugged into the same reducer as ``engine/launcher.py``'s ``BucketLauncher``. Up to
+``max_inflight`` buckets are in flight at once (and ``staging_budget_bytes`` of staging memory):
+a launch first folds the oldest bucket in flight (``ShardedBucketStore.fold``) until both bounds
+hold. More than one in flight lets gloo's worker threads reduce two buckets at once.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch.distributed as dist
+
+from ..engine.plane import ControlPlane
+from .comm import exchanges, start_reduce_scatter
+from .store import ShardedBucket, ShardedBucketStore
+
+
+class ShardedLauncher:
+    hook = None  # comm hooks return a fully reduced bucket: ShardedDataParallel refuses them
+    divides_on_copy = False  # the fold (or, off CPU, the launch) divides
+
+    def __init__(self, group: dist.ProcessGroup, plane: ControlPlane, store: ShardedBucketStore, *,
+                 max_inflight: int = 2, staging_budget_bytes: int | None = None):
+        self.group, self.plane, self.store = group, plane, store
+        self.max_inflight = max_inflight
+        self.staging_budget_bytes = staging_budget_bytes
+        self.exchange = exchanges(store.buckets[0].flat_param.device)  # see sharded_comm.py
+        self.inflight: deque[ShardedBucket] = deque()
+        self.max_inflight_seen = 0
+
+    def launch(self, bucket: ShardedBucket, buckets: list[ShardedBucket], traced: bool) -> None:
+        if traced:
+            bucket.times["launch"] = time.perf_counter()
+        store = self.store
+        out_numel = bucket.numel if self.exchange else bucket.shard_numel
+        out_bytes = out_numel * bucket.buffer.element_size()
+        budget = self.staging_budget_bytes
+        while self.inflight and (len(self.inflight) >= max(1, self.max_inflight) or
+                                 (budget is not None and store.staging_bytes + out_bytes > budget)):
+            self._fold(self.inflight.popleft(), traced)  # before allocating this bucket's output
+        bucket.out = store.take(out_numel, bucket.buffer.dtype, bucket.flat_param.device)
+        bucket.handle = start_reduce_scatter(bucket.buffer, bucket.out, store.world_size, self.group, self.exchange)
+        store.track(out_bytes)
+        self.inflight.append(bucket)
+        self.max_inflight_seen = max(self.max_inflight_seen, len(self.inflight))
+
+    def _fold(self, bucket: ShardedBucket, traced: bool) -> None:
+        self.plane.wait(bucket.handle, f"bucket {bucket.index}")
+        if traced:  # gloo's reduce-scatter has no future: time the wait's end
+            bucket.times["done"] = time.perf_counter()
+        self.store.fold(bucket, self.exchange)
+
+    def before_control(self, handles: list) -> None:
+        """A reduce-scatter is one collective: the control may follow at once."""
+
+    def result(self, bucket: ShardedBucket) -> None:
+        """Fold every bucket in flight up to ``bucket``; the average is in the shard (no tensor)."""
+        while bucket.handle is not None and self.inflight:
+            self._fold(self.inflight.popleft(), bool(bucket.times))
+        return None
+
+    def reset(self) -> None:
+        self.inflight.clear()
+
+
+__all__ = ["ShardedLauncher"]

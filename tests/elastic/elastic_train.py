@@ -1,0 +1,163 @@
+"""The elastic drills' training script, run as replicas by ``gradsync run`` (tests/elastic/test_elastic.py).
+
+Replica ``--victim`` SIGKILLs itself at ``--point`` of window ``--window``; every replica writes its
+final parameters, members and events to ``--out``/<id>.pt. The micro-batch of (replica, window,
+micro-step) is a function of those three, so one process can train on exactly what was kept.
+"""
+import argparse
+import dataclasses
+import os
+import signal
+import time
+
+import torch
+
+import gradsync
+
+POINTS = ["forward", "local_backward", "before_reductions", "during_reductions", "after_reductions",
+          "after_commit", "optimizer_step", "none"]
+
+
+def build_model(buffers: bool = False) -> torch.nn.Module:
+    """With ``buffers``, a BatchNorm: every training forward broadcasts rank 0's running statistics."""
+    torch.manual_seed(0)
+    middle = torch.nn.BatchNorm1d(16) if buffers else torch.nn.Identity()
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), middle, torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                               torch.nn.Tanh(), torch.nn.Linear(16, 4))
+
+
+def micro_batch(replica: int, window: int, step: int, items: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100_000 + replica * 1000 + window * 10 + step)
+    rows = int(torch.randint(1, 7, (1,), generator=g)) if items else 4
+    return torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g)
+
+
+def dataset(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g)
+
+
+def make_optimizer(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.25, momentum=0.5)
+
+
+KILL_LAUNCHER = False  # --kill-launcher: the victim takes its launcher with it, as a machine that dies
+
+
+def die() -> None:
+    if KILL_LAUNCHER:
+        os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--windows", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--victim", type=int, default=-1)
+    parser.add_argument("--window", type=int, default=1)
+    parser.add_argument("--point", choices=POINTS, default="none")
+    parser.add_argument("--items", action="store_true", help="sum losses with num_items, uneven micro-batches")
+    parser.add_argument("--plain", action="store_true", help="no accumulator: loss.backward() and a step each window")
+    parser.add_argument("--sampler", type=int, default=0, help="draw from a dataset of this many samples "
+                        "through gradsync.elastic.ElasticSampler")
+    parser.add_argument("--global-batch", type=int, default=None, help="with --sampler: samples per window")
+    parser.add_argument("--until-full", type=int, default=0, help="go on past --windows until this many members")
+    parser.add_argument("--sleep", type=float, default=0.0, help="seconds at each window's start (a slower job)")
+    parser.add_argument("--kill-launcher", action="store_true", help="the victim kills its launcher too")
+    parser.add_argument("--buffers", action="store_true", help="a model with buffers, broadcast at every forward")
+    parser.add_argument("--kill-step", type=int, default=None, help="the micro-step of a forward kill (default: last)")
+    args = parser.parse_args()
+    global KILL_LAUNCHER
+    KILL_LAUNCHER = args.kill_launcher
+    me = int(os.environ["GRADSYNC_REPLICA_ID"])
+    victim = me == args.victim and int(os.environ["GRADSYNC_RESTART"]) == 0
+    gradsync.elastic.init_process_group("gloo", timeout=30)
+
+    net = build_model(args.buffers)
+    # one bucket per parameter: a kill between two buckets' all-reduces is a real point
+    model = gradsync.DistributedDataParallel(net, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    steps = 1 if args.plain else args.steps
+    acc = None if args.plain else gradsync.GradientAccumulator(model, steps=steps)
+    optimizer = make_optimizer(model.parameters())
+    if not args.plain:
+        optimizer = acc.wrap_optimizer(optimizer)
+    state = {"window": -1, "step": -1, "last": False}
+
+    def at(point: str, step: int | str | None = None) -> bool:
+        """Whether the victim is at ``point`` of micro-step ``step`` ("last": the window's synced one)."""
+        here = state["last"] if step == "last" else step is None or state["step"] == step
+        return victim and args.point == point and state["window"] == args.window and here
+
+    kill_step = "last" if args.kill_step is None else args.kill_step
+    net.register_forward_pre_hook(lambda *_: die() if at("forward", kill_step) else None)
+    if victim and args.point == "during_reductions":  # after the header and the first bucket's all-reduce
+        all_reduce, calls = torch.distributed.all_reduce, []
+
+        def counted(*a, **k):
+            if at("during_reductions", "last"):
+                calls.append(1)
+                if len(calls) == 3:
+                    die()
+            return all_reduce(*a, **k)
+        torch.distributed.all_reduce = counted
+    if victim and args.point in ("after_reductions", "after_commit"):
+        membership = gradsync.elastic.membership.StoreMembership
+        commit = membership.commit
+
+        def vote(self, sync):
+            if at("after_reductions"):
+                die()
+            decided = commit(self, sync)
+            if at("after_commit"):
+                die()
+            return decided
+        membership.commit = vote
+
+    processed, sampler = [], None
+
+    def micro_steps():  # (window, micro-step, x, y); with an accumulator, its state says where the job is
+        nonlocal sampler
+        if args.plain:
+            yield from ((w, 0, *micro_batch(me, w, 0, args.items)) for w in range(args.windows))
+            return
+        if args.sampler:  # each window's global batch dealt across the members of that window
+            xs, ys = dataset(args.sampler)
+            sampler = gradsync.elastic.ElasticSampler(args.sampler, micro_batch=4, seed=3,
+                                                      global_batch=args.global_batch, steps=None if args.global_batch else steps)
+            for idx in sampler.iterate(acc):
+                with acc.accumulate():
+                    processed.append((acc.windows - 1, idx))
+                    yield acc.windows - 1, acc.micro_step, xs[idx], ys[idx]
+            return
+        # with --until-full the members go on, together, until the replica that rejoins is back: the
+        # test does not depend on how long a restart takes on a loaded machine
+        while not (acc.is_boundary and acc.windows >= args.windows
+                   and len(gradsync.elastic.members()) >= args.until_full):
+            with acc.accumulate():  # a replica that joins gets the members' state here
+                yield acc.windows - 1, acc.micro_step, *micro_batch(me, acc.windows - 1, acc.micro_step, args.items)
+
+    for w, k, x, y in micro_steps():
+        time.sleep(args.sleep if k == 0 else 0)
+        state.update(window=w, step=k, last=args.plain or acc.is_boundary)
+        out = model(x)
+        loss = torch.nn.functional.mse_loss(out, y, reduction="sum" if args.items else "mean")
+        if at("local_backward", 0) or at("before_reductions", "last"):
+            loss.register_hook(lambda g: die())
+        if args.plain:
+            loss.backward()
+        else:
+            acc.backward(loss, num_items=x.shape[0] if args.items else None)
+        if (args.plain or acc.is_boundary) and at("optimizer_step"):
+            die()
+        optimizer.step()
+        optimizer.zero_grad()
+    events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
+    torch.save({"params": [p.detach().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
+                "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
+                "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict()}, os.path.join(args.out, f"{me}.pt"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+import pytest
+import torch
+
+from gradsync.engine.buckets import MiB, plan_buckets
+
+
+def floats(*numels, dtype=torch.float32):
+    return [torch.empty(n, dtype=dtype) for n in numels]
+
+
+def test_reverse_registration_order_and_small_first_bucket():
+    params = floats(*[MiB // 4] * 6)  # 1 MiB each in fp32
+    plan = plan_buckets(params, bucket_cap_mb=2, first_bucket_cap_mb=1)
+    assert plan == [[5], [4, 3], [2, 1], [0]]
+
+
+def test_caps_are_bytes_not_elements():
+    params = floats(MiB // 8, MiB // 8, dtype=torch.float64)  # 1 MiB each in fp64
+    assert plan_buckets(params, bucket_cap_mb=25, first_bucket_cap_mb=1) == [[1], [0]]
+
+
+def test_groups_by_dtype():
+    params = [torch.empty(10), torch.empty(10, dtype=torch.float64), torch.empty(10),
+              torch.empty(10, dtype=torch.bfloat16)]
+    plan = plan_buckets(params)
+    assert sorted(map(sorted, plan)) == [[0, 2], [1], [3]]
+    for bucket in plan:
+        assert len({params[i].dtype for i in bucket}) == 1
+    assert plan[0] == [3]  # ordered by the first member in the walk
+
+
+def test_every_parameter_once_and_order_respected():
+    params = floats(*range(1, 40))
+    order = list(range(39))
+    plan = plan_buckets(params, bucket_cap_mb=100 / MiB, first_bucket_cap_mb=30 / MiB, order=order)
+    flat = [i for b in plan for i in b]
+    assert flat == order
+    assert sum(params[i].numel() * 4 for i in plan[0]) >= 30
+
+
+def test_huge_cap_gives_one_bucket():
+    assert plan_buckets(floats(3, 4, 5), bucket_cap_mb=1000, first_bucket_cap_mb=1000) == [[2, 1, 0]]
+
+
+@pytest.mark.parametrize("bad", [dict(bucket_cap_mb=0), dict(first_bucket_cap_mb=-1), dict(order=[0, 0])])
+def test_bad_arguments(bad):
+    with pytest.raises(ValueError):
+        plan_buckets(floats(1, 2), **bad)
+
+
+def test_a_list_of_caps_gives_each_bucket_its_own_cap():
+    params = floats(*[MiB // 4] * 7)  # 1 MiB each in fp32
+    plan = plan_buckets(params, bucket_cap_mb=[1, 2, 3], first_bucket_cap_mb=1)
+    assert plan == [[6], [5, 4], [3, 2, 1], [0]]  # the last cap repeats
+    with pytest.raises(ValueError):
+        plan_buckets(params, bucket_cap_mb=[1, 0])

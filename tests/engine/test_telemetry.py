@@ -1,0 +1,140 @@
+"""model.sync_report() and the straggler warning: what only the reducer sees (engine/telemetry.py)."""
+import logging
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import gradsync
+from gradsync.engine.telemetry import RankSync, Stragglers, SyncReport
+from helpers import mlp, run_ranks
+
+
+def windows(rank, world_size, n, slow_rank=None, sleep=0.2, accum=1):
+    """Train ``n`` windows; ``slow_rank`` sleeps ``sleep`` s in each synced backward. Return each window's
+    report (as plain tuples) and the warnings gradsync logged."""
+    caught = []
+    handler = logging.Handler()
+    handler.emit = lambda record: caught.append(record.getMessage())
+    logging.getLogger("gradsync").addHandler(handler)
+    model = gradsync.DistributedDataParallel(mlp(), bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4)
+    acc = gradsync.GradientAccumulator(model, steps=accum)
+    g = torch.Generator().manual_seed(rank)
+    reports, warned_at = [], None
+    for w in range(n):
+        for _ in range(accum):
+            with acc.accumulate():
+                loss = model(torch.randn(6, 8, generator=g)).square().mean()
+                if rank == slow_rank and acc.sync_gradients:
+                    loss.register_hook(lambda grad: time.sleep(sleep) or grad)  # inside this rank's backward
+                acc.backward(loss)
+        r = model.sync_report()
+        reports.append((r.sync, r.slowest, {k: (v.compute_ms, v.wait_ms) for k, v in r.ranks.items()}))
+        if caught and warned_at is None:
+            warned_at = w
+    return reports, caught, warned_at
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_slow_rank_is_named_in_every_window_and_warned_within_three(world_size):
+    slow = world_size - 1
+    results = run_ranks(windows, world_size, 5, slow, timeout=120)
+    first = results[0][0]
+    for reports, caught, warned_at in results:
+        assert reports == first  # the same report on every rank, to the microsecond
+        assert [r[1] for r in reports] == [slow] * 5
+        assert warned_at is not None and warned_at <= 2, caught
+        assert len(caught) == 1 and f"rank {slow} was the slowest in 3 of the last 3" in caught[0]
+        assert "straggler" in caught[0]
+    for _, slowest, ranks in first:
+        assert ranks[slow][0] >= 190  # its own backward holds the 200 ms sleep
+        for r in range(world_size - 1):  # the others' backwards do not, but they wait for it
+            assert ranks[r][0] < ranks[slow][0] - 150 and ranks[r][1] >= 150, ranks
+
+
+def test_accumulation_windows_report_the_synced_backward():
+    results = run_ranks(windows, 2, 4, 1, 0.2, 3, timeout=120)
+    reports, caught, _ = results[0]
+    assert [r[0] for r in reports] == [0, 1, 2, 3] and {r[1] for r in reports} == {1} and caught
+
+
+def test_a_balanced_run_under_load_gives_no_warning():
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        results = run_ranks(windows, 3, 30, timeout=300)
+    finally:
+        for h in hogs:
+            h.kill()
+    for reports, caught, _ in results:
+        assert caught == [] and len(reports) == 30
+
+
+def report(slowest, times, sync=0):
+    return SyncReport(sync, {r: RankSync(c, 0.0) for r, c in enumerate(times)}, slowest)
+
+
+def test_an_episode_warns_once_and_a_new_one_again():
+    s = Stragglers()
+    assert [s.observe(report(1, [10, 300])) for _ in range(5)].count(None) == 4  # the third warns
+    assert s.observe(report(0, [300, 10])) is None  # the episode ends
+    texts = [s.observe(report(1, [10, 300])) for _ in range(3)]
+    assert texts[:2] == [None, None] and "rank 1" in texts[2]
+
+
+def test_noise_below_the_thresholds_never_warns():
+    s = Stragglers()
+    assert all(s.observe(report(1, [10, 40])) is None for _ in range(10))  # 4x slower but only 30 ms
+    assert all(s.observe(report(1, [200, 280])) is None for _ in range(10))  # 80 ms slower but 1.4x
+    assert all(s.observe(report(0, [10])) is None for _ in range(5))  # one rank: nobody to compare
+
+
+def test_sync_report_is_none_before_the_first_synced_backward():
+    def fn(rank, world_size):
+        model = gradsync.DistributedDataParallel(mlp(), straggler_warning=False)
+        before = model.sync_report()
+        with model.no_sync():
+            model(torch.ones(2, 8)).sum().backward()
+        local = model.sync_report()
+        model(torch.ones(2, 8)).sum().backward()
+        return before, local, model.sync_report().slowest in (0, 1), model.reducer.stragglers
+    for before, local, named, stragglers in run_ranks(fn, 2):
+        assert before is None and local is None and named and stragglers is None
+
+
+def traced(rank, world_size, path):
+    model = gradsync.DistributedDataParallel(mlp(), bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4,
+                                             straggler_warning=False)
+    model.enable_comm_trace()
+    for _ in range(3):
+        loss = model(torch.ones(4, 8)).square().mean()
+        if rank == 1:
+            loss.register_hook(lambda grad: time.sleep(0.1) or grad)
+        loss.backward()
+    model.export_trace(path)
+    return len(model.reducer.buckets)
+
+
+def test_export_trace_draws_every_rank_in_one_file(tmp_path):
+    import json
+    path = tmp_path / "trace.json"
+    (buckets, _) = run_ranks(traced, 2, str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    for rank in (0, 1):
+        mine = [e for e in spans if e["pid"] == rank]
+        assert sum(e["name"].startswith("bucket") for e in mine) == 3 * buckets
+        work = [e for e in mine if e["name"] == "own work"]
+        waits = [e for e in mine if e["name"] == "waiting on the others"]
+        assert len(work) == len(waits) == 3
+        assert all((e["dur"] >= 90_000) == (rank == 1) for e in work)  # rank 1's 100 ms sleep, in microseconds
+    ends = {e["pid"]: e["ts"] + e["dur"] for e in spans if e["name"] == "waiting on the others"}
+    assert abs(ends[0] - ends[1]) < 1.0  # aligned on the end of each synced backward
+
+
+def test_export_trace_without_a_trace_says_what_to_call():
+    def fn(rank, world_size):
+        with pytest.raises(RuntimeError, match="enable_comm_trace"):
+            gradsync.DistributedDataParallel(mlp()).export_trace("unused.json")
+    run_ranks(fn, 2)

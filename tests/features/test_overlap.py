@@ -1,0 +1,188 @@
+"""overlap_optimizer: the optimizer steps bucket by bucket inside the synced backward."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import gradsync
+from gradsync.tools.launch import run_ranks
+from helpers import TIMEOUT, batches, faults, micro_steps, mlp, outcome, shard, shard_backward
+
+SMALL_BUCKETS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)  # several buckets per step
+
+OPTIMIZERS = {
+    "adamw": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    "sgd_momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True),
+    "adam_groups": lambda ps: torch.optim.Adam([{"params": ps[:2], "lr": 0.02}, {"params": ps[2:]}], lr=0.01),
+}
+
+
+def train(rank, world_size, make_opt, overlapped, view):
+    model = gradsync.DDP(mlp(seed=0), gradient_as_bucket_view=view, **SMALL_BUCKETS)
+    opt = OPTIMIZERS[make_opt](list(model.parameters()))
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # hyperparameters change per step
+    if overlapped:
+        gradsync.overlap_optimizer(model, opt)
+    for x, y in batches(4, world_size):
+        shard_backward(model, rank, world_size, x, y)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}, len(model.reducer.buckets)
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "view"])
+@pytest.mark.parametrize("make_opt", list(OPTIMIZERS))
+def test_parameters_are_bit_identical_to_the_plain_loop(make_opt, view):
+    plain = run_ranks(train, 2, make_opt, False, view)
+    overlapped = run_ranks(train, 2, make_opt, True, view)
+    assert plain[0][1] >= 3  # several buckets, so the step really is split
+    for (ours, _), (theirs, _) in zip(overlapped, plain):
+        for name in theirs:
+            assert torch.equal(ours[name], theirs[name]), name
+    assert all(torch.equal(overlapped[0][0][n], overlapped[1][0][n]) for n in overlapped[0][0])
+
+
+def windows(rank, world_size, overlapped):
+    model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
+    acc = gradsync.GradientAccumulator(model, steps=3)
+    opt = acc.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    if overlapped:
+        gradsync.overlap_optimizer(model, opt)  # the accumulator's wrapper, unwrapped
+    for _ in micro_steps(model, acc, opt, rank, world_size, batches(9, world_size)):
+        pass
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def test_accumulation_windows_step_only_at_the_window_end():
+    for ours, theirs in zip(run_ranks(windows, 2, True), run_ranks(windows, 2, False)):
+        assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
+def gated(rank, world_size):
+    """The last bucket's future completes only when bucket 0's parameters have been stepped."""
+    model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
+    last = len(model.reducer.buckets) - 1
+    gate = torch.futures.Future()
+
+    @gradsync.engine.comm.one_collective
+    def hook(state, bucket):
+        fut = gradsync.allreduce_hook(None, bucket)
+        if bucket.index() != last:
+            return fut
+        return gate.then(lambda _: fut.wait())  # fut: already launched in bucket order
+
+    model.register_comm_hook(None, hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = gradsync.overlap_optimizer(model, opt)
+    seen = []
+    first = set(model.reducer.buckets[0].members)
+    plain_bucket_step = handle._step_bucket
+
+    def observe(members):
+        plain_bucket_step(members)
+        seen.append((tuple(members), gate.done()))
+        if set(members) == first:
+            gate.set_result(None)  # only now may the last bucket finish
+    model.reducer.on_bucket_reduced(observe)
+    x, y = batches(1, world_size)[0]
+    shard_backward(model, rank, world_size, x, y)
+    opt.step()
+    return seen, last
+
+
+def test_a_bucket_steps_while_later_buckets_are_in_flight():
+    for seen, last in run_ranks(gated, 2):
+        assert len(seen) == last + 1
+        assert seen[0][1] is False  # bucket 0 stepped before the last bucket's reduction finished
+
+
+def misuse(rank, world_size, how):
+    kw = {"find_unused_parameters": True} if how == "find_unused" else {}
+    model = gradsync.DDP(mlp(seed=0), timeout=TIMEOUT, **kw)
+    x, y = batches(1, world_size)[0]
+
+    def run():
+        if how == "lbfgs":
+            gradsync.overlap_optimizer(model, torch.optim.LBFGS(model.parameters()))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if how == "foreign":
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        gradsync.overlap_optimizer(model, opt)
+        if how == "step_without_backward":
+            opt.step()
+        shard_backward(model, rank, world_size, x, y)
+        if how == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if how == "closure":
+            opt.step(lambda: 0.0)
+        if how == "items":
+            acc = gradsync.GradientAccumulator(model, steps=1)
+            with acc.accumulate():
+                out = model(shard(x, rank, world_size))
+                acc.backward(F.mse_loss(out, shard(y, rank, world_size), reduction="sum"), num_items=3)
+    return outcome(run)
+
+
+@pytest.mark.parametrize("how, error, words", [
+    ("lbfgs", "TypeError", "cannot split LBFGS.step() per bucket"),
+    ("find_unused", "ValueError", "find_unused_parameters=False"),
+    ("foreign", "ValueError", "that the model does not reduce"),
+    ("step_without_backward", "RuntimeError", "without a synced backward since the last step"),
+    ("clip", "RuntimeError", "clip_grad_norm_ after a backward"),
+    ("closure", "RuntimeError", "step(closure) cannot re-run it"),
+    ("items", "RuntimeError", "overlap_optimizer already stepped"),
+])
+def test_what_cannot_be_split_per_bucket_raises(how, error, words):
+    for kind, message, _ in faults(misuse, how):
+        assert kind == error and words in message, (kind, message)
+
+
+def sharded(rank, world_size):
+    model = gradsync.ShardedDataParallel(mlp(seed=0))
+    return outcome(lambda: gradsync.overlap_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1)))
+
+
+def test_sharded_models_are_refused():
+    for kind, message, _ in run_ranks(sharded, 2):
+        assert kind == "TypeError" and "ShardedOptimizer already steps" in message
+
+
+def clip_with_a_sharded_model(rank, world_size, sharded_first):
+    if sharded_first:
+        sharded = gradsync.ShardedDataParallel(mlp(seed=1))
+    model = gradsync.DDP(mlp(seed=0))
+    gradsync.overlap_optimizer(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    if not sharded_first:
+        sharded = gradsync.ShardedDataParallel(mlp(seed=1))
+    x, y = batches(1, world_size)[0]
+    shard_backward(model, rank, world_size, x, y)
+    refused = outcome(lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+    shard_backward(sharded, rank, world_size, x, y)
+    norm = torch.nn.utils.clip_grad.clip_grad_norm_(sharded.parameters(), 1e-3)  # .grad is None: the shards'
+    return refused[:2], norm.item()
+
+
+@pytest.mark.parametrize("sharded_first", [True, False], ids=["sharded_first", "overlap_first"])
+def test_clip_check_and_sharded_clipping_hold_in_either_order(sharded_first):
+    for (kind, message), norm in run_ranks(clip_with_a_sharded_model, 2, sharded_first):
+        assert kind == "RuntimeError" and "clip_grad_norm_ after a backward" in message, (kind, message)
+        assert norm > 1e-3
+
+
+def deleted(rank, world_size):
+    import gc
+    import weakref
+    model = gradsync.DDP(mlp(seed=0))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gradsync.overlap_optimizer(model, opt)
+    shard_backward(model, rank, world_size, *batches(1, world_size)[0])
+    opt.step()
+    refs = [weakref.ref(model), weakref.ref(opt)]
+    del model, opt
+    gc.collect()
+    return [r() is None for r in refs]
+
+
+def test_a_deleted_model_and_its_optimizer_are_freed():
+    assert run_ranks(deleted, 1) == [[True, True]]
