@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import gradsync
-from gradsync.engine import process
+from gradsync import process
 
 SRC = str(Path(gradsync.__file__).parent.parent)
 
@@ -37,7 +37,7 @@ def test_wrapping_does_not_import_the_compiler():
 
 def test_dynamo_skips_the_wrapper_once_imported_later():
     code = WRAP_ONE_RANK + """
-from gradsync.engine import process
+from gradsync import process
 assert 'torch._dynamo' not in sys.modules
 import torch._dynamo.trace_rules as rules
 core = os.path.dirname(gradsync.engine.__file__) + os.sep
@@ -74,7 +74,7 @@ calls, real_register, real_unregister = [], atexit.register, atexit.unregister
 atexit.register = lambda f, *a, **k: (calls.append(("register", f.__name__)), real_register(f, *a, **k))[1]
 atexit.unregister = lambda f: (calls.append(("unregister", f.__name__)), real_unregister(f))[1]
 import gradsync
-from gradsync.engine import process
+from gradsync import process
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 handle = gradsync.replace_torch_ddp()
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))  # gradsync's, through torch's name

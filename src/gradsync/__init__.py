@@ -10,8 +10,8 @@ from ._torch_range import UntestedTorchWarning, warn_if_untested
 
 warn_if_untested()  # before the engine imports: a torch that breaks them still gets the warning first
 
-from .engine.comm import GradBucket, allreduce_hook, bf16_compress_hook, bf16_wire_hook, fp16_compress_hook, noop_hook
-from .engine.control import SyncError
+from .hooks import GradBucket, allreduce_hook, bf16_compress_hook, bf16_wire_hook, fp16_compress_hook, noop_hook
+from .engine.errors import SyncError
 from .ddp import DDP, DistributedDataParallel, replace_torch_ddp
 from .accumulate import GradientAccumulator
 from .chunked import Chunked

@@ -48,6 +48,16 @@ def in_compiled_autograd() -> bool:
     return ca is not None and ca.in_compiled_autograd_region
 
 
+def has_cpu_backend(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` can all-reduce CPU tensors (gloo, or a group with a CPU backend beside NCCL).
+    Without it, a device's control plane gets a gloo group of its own (``engine/groups.py``)."""
+    try:
+        group._get_backend(torch.device("cpu"))
+    except (RuntimeError, AttributeError, ValueError):
+        return False
+    return True
+
+
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta:
     """The process group's own timeout for ``device``'s backend, else torch's default.
 
@@ -134,11 +144,32 @@ def torch_function_disabled() -> bool:
     return torch._C._is_torch_function_all_disabled()
 
 
+def module_slots(module: torch.nn.Module) -> tuple[Any, Any, Any]:
+    """A module's own parameters, buffers and children (its ``_parameters``, ``_buffers``, ``_modules``
+    values): one walk of the tree finds both tensors, where ``parameters()`` and ``buffers()`` walk it twice."""
+    return module._parameters.values(), module._buffers.values(), module._modules.values()
+
+
+def caller_frame() -> Any:
+    """The frame that called the function calling this (CPython's ``sys._getframe``)."""
+    return sys._getframe(2)
+
+
 def functional_call_code() -> Any:
     """The code object of ``torch.func.functional_call``'s worker, to find it on the stack (it swaps
     parameters for one call; without this the swap looks like a replaced parameter and raises)."""
     from torch.nn.utils import stateless
     return stateless._functional_call.__code__
+
+
+def join_enabled(joinable: Any) -> bool:
+    """Whether torch's ``Join`` context runs a join for ``joinable`` now (it sets ``_join_config``)."""
+    return joinable._join_config.enable
+
+
+def set_join_config_disabled(joinable: Any) -> None:
+    """Leave torch's join mode for ``joinable`` (its ``_join_config``, which ``Join`` reads)."""
+    joinable._join_config = disabled_join_config()
 
 
 def disabled_join_config() -> Any:
@@ -190,7 +221,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
+__all__ = ["BatchNormBase", "Future", "caller_frame", "module_slots", "has_cpu_backend", "join_enabled", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
            "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",

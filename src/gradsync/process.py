@@ -1,4 +1,6 @@
-"""Every process-wide effect gradsync has, in one registry: each installed once, idempotent, reversible.
+"""Every process-wide effect and piece of state gradsync has, in one module.
+
+Effects: each installed once, idempotent, reversible.
 
 An effect changes something outside the objects a user created (a torch list, a global hook).
 Each one is an ``Effect`` registered here under a name, with the reason it exists; ``installed()``
@@ -7,10 +9,12 @@ checks both). ``docs/differences.md`` lists them for users.
 """
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.abc
 import importlib.util
 import sys
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +67,78 @@ def installed() -> list[str]:
 def uninstall_all() -> None:
     for name in list(_effects):
         uninstall(name)
+
+
+# ---------------------------------------------------------------- process-wide state
+@dataclass
+class State:
+    """Everything gradsync keeps per process, not per object; each field says who uses it and why.
+
+    The modules change these fields; none of them rebinds a module-level name of its own."""
+
+    # engine/control.py: the collective waited last stays referenced here until the next wait, so that
+    # its last reference is Python's, never gloo's thread's during interpreter shutdown (see exit-hook)
+    last_wait: Any = None
+    exit_hook: bool = False  # install_exit_hook() ran
+    # engine/control.py: control groups over a subgroup, shared by every wrapper on it (torch names them once)
+    control_subgroups: dict = field(default_factory=dict)
+    # ddp/guard.py: the optimizer-step guard's reducers and its cache of what each optimizer touches
+    guard_known: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    guard_exclusive: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+    guard_ids: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    guard_cache: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+    guard_version: int = 0  # bumped when the known or exclusive reducers change: cached entries recompute
+    guard_anyone: bool = False  # the guard was installed without a reducer: every closure is checked
+    guard_handle: Any = None
+    # ddp/compat.py: replace_torch_ddp() scopes in force, and the redirect's generation
+    redirects: int = 0
+    redirect_generation: int = 0
+    # the commit protocol that models built on the default process group attach to (None: plain DDP);
+    # a feature installs it (gradsync.elastic) and the wrapper attaches to it at construction
+    protocol: Any = None
+    # what features hear of the layers above the engine: "wrapper" (a model was built), "accumulator"
+    # (one was built), "window" (an accumulator is between windows); see ``announce``
+    listeners: dict = field(default_factory=dict)
+    replica: Any = None  # gradsync.elastic: this process's replica in the job, once it joined
+    # engine/launcher.py: hooks declared to issue one collective (value: the world sizes, None: any)
+    one_collective_hooks: weakref.WeakKeyDictionary = field(default_factory=weakref.WeakKeyDictionary)
+
+
+state = State()
+
+
+def listen(event: str, callback: Callable[..., None]) -> None:
+    """Call ``callback(*args)`` whenever ``announce(event, *args)`` runs (once per callback)."""
+    callbacks = state.listeners.setdefault(event, [])
+    if callback not in callbacks:
+        callbacks.append(callback)
+
+
+def announce(event: str, *args: Any) -> None:
+    """Tell the features listening (``listen``) that ``event`` happened; nothing when none listens."""
+    for callback in state.listeners.get(event, ()):
+        callback(*args)
+
+
+def install_exit_hook() -> None:
+    """At exit, release the GIL once (``State.last_wait``); installed with the first wait."""
+    def apply() -> None:
+        atexit.register(_release_gil_before_shutdown)
+        state.exit_hook = True
+
+    def undo() -> None:
+        atexit.unregister(_release_gil_before_shutdown)
+        state.exit_hook = False
+    install(Effect(name="exit-hook", apply=apply, undo=undo,
+                   reason="a collective's last reference dropped by gloo's thread during interpreter "
+                          "shutdown aborts the process; at exit the GIL is released once so it is not"))
+
+
+def _release_gil_before_shutdown() -> None:
+    # gloo's thread may still wait for the GIL to drop a hook's callback: let it, while the
+    # interpreter is whole ("terminate called without an active exception" otherwise)
+    if state.last_wait is not None:
+        time.sleep(0.01)
 
 
 # ---------------------------------------------------------------- Dynamo runs our wrappers eagerly
@@ -223,5 +299,5 @@ def _asking_owners(original: Callable[..., torch.Tensor]) -> Callable[..., torch
     return clip_grad_norm_
 
 
-__all__ = ["ClipOwner", "Effect", "claim_clip_grad_norm", "install", "installed", "release_clip_grad_norm",
+__all__ = ["ClipOwner", "Effect", "State", "announce", "install_exit_hook", "listen", "state", "claim_clip_grad_norm", "install", "installed", "release_clip_grad_norm",
            "skip_in_dynamo", "uninstall", "uninstall_all"]

@@ -11,7 +11,7 @@ from torch.distributed.algorithms.join import Joinable
 from torch.nn.parallel import DistributedDataParallel as BoundAtImport  # Lightning's import style
 
 import gradsync
-from gradsync.engine import compat
+from gradsync.ddp import compat
 from gradsync.engine.reducer import Reducer
 from gradsync.tools.launch import run_ranks
 from helpers import assert_close_dicts, batches, grads, mlp, shard

@@ -187,27 +187,31 @@ def test_an_optimizer_no_model_touches_gets_its_closure_unwrapped():
 
 
 class FakeReducer:
-    """What the guard asks of a reducer."""
+    """What the guard reads of a reducer: its parameters, its unsynced flag and window, its store."""
 
     def __init__(self, params):
         self.params = list(params)
         self.names = [f"p{i}" for i in range(len(self.params))]
-        self.wrapper_name, self.pending = "Fake", []
+        self.wrapper_name, self.unsynced = "Fake", False
+        self.window_used = [False] * len(self.params)
+        self.store = self
 
-    def unsynced_params(self):
-        return self.pending
+    def has_local_grad(self, i):
+        return True
+
+    def check_foreign_step(self, optimizer):
+        pass
 
 
 def registered_reducers(rank, world_size):
-    from gradsync.engine import guard
+    from gradsync.ddp import guard
     owned, other = torch.nn.Linear(3, 3), torch.nn.Linear(3, 3)
     reducer = FakeReducer(owned.parameters())
     guard.install(reducer)
     mine, theirs = Recording(owned.parameters(), lr=0.1), Recording(other.parameters(), lr=0.1)
 
     def closure():
-        reducer.pending = [0]  # the closure's backward leaves a gradient unsynchronized
-        guard.mark_unsynced(reducer)
+        reducer.window_used[0] = reducer.unsynced = True  # its backward leaves a gradient unsynchronized
         return 0.0
     theirs.step(closure)
     assert theirs.seen is closure

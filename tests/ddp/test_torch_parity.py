@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.engine.comm import GradBucket
+from gradsync import GradBucket
 from gradsync.tools.launch import run_ranks
 from helpers import assert_close_dicts, batches, grads, mlp, params, shard
 

@@ -7,7 +7,7 @@ from torch import nn
 import gradsync
 from gradsync.engine.autocap import (CANDIDATES_MB, ROUNDS, TIE, choose, choose_by_link, default_cap, distinct_layouts,
                                    first_cap, fit_link, param_ready, predict_end, syncs_to_choose)
-from gradsync.engine.buckets import MiB, plan_buckets
+from gradsync.engine.layout import MiB, plan_buckets
 from gradsync.tools.launch import run_ranks
 from helpers import assert_close_dicts, batches, grads, mlp, params, shard
 
@@ -284,7 +284,7 @@ def slow_link(state, bucket):
 
 def auto_on_a_slow_link(rank, world_size, steps):
     model = gradsync.DDP(mlp(seed=0, width=512, depth=4), bucket_cap_mb="auto")  # 1 MiB layers
-    model.register_comm_hook(None, gradsync.engine.comm.one_collective(slow_link))
+    model.register_comm_hook(None, gradsync.hooks.one_collective(slow_link))
     for x, y in batches(steps, world_size, per_rank=2):
         model.zero_grad()
         F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from gradsync.engine.buckets import MiB, plan_buckets
+from gradsync.engine.layout import MiB, plan_buckets
 
 
 def floats(*numels, dtype=torch.float32):

@@ -5,8 +5,13 @@ from datetime import timedelta
 import pytest
 import torch
 
-from gradsync.engine.control import (SyncError, bounded_wait, check_agreement, check_finite, check_missing,
-                              control_tensor, empty_control, used_counts)
+from gradsync.engine.control import Verdict, bounded_wait, control_tensor, empty_control
+from gradsync.engine.errors import SyncError
+from gradsync.engine.store import check_finite
+
+
+def check_agreement(total, *, rank, world_size, n, active, sync_count):
+    return Verdict(total, rank, world_size, n, active, sync_count)
 
 
 def reduced(*controls):
@@ -18,7 +23,7 @@ def test_layout_sums_to_every_rank_counters_and_used_counts():
     w, used = 3, [True, False, True, True]
     total = reduced(*(control_tensor(r, w, backward_count=5, forward_count=7, used=used) for r in range(w)))
     assert total[:w].tolist() == [5, 5, 5]
-    assert used_counts(total, w, len(used)) == [3, 0, 3, 3]
+    assert Verdict(total, 0, w, len(used), list(range(w)), 0).counts == [3, 0, 3, 3]
     assert total[w + len(used):2 * w + len(used)].tolist() == [7, 7, 7]
     assert int(total[-1]) == w
     assert empty_control(w, len(used)).shape == total.shape
@@ -57,9 +62,13 @@ def test_joined_ranks_must_send_zeros():
 
 
 def test_missing_gradients_are_named_with_the_flag():
-    check_missing([2, 2], ["a.weight", "b.weight"], expected=2)
+    names = ["a.weight", "b.weight"]
+    check_agreement(reduced(*(control_tensor(r, 2, 4, 4, [True, True]) for r in range(2))),
+                    rank=0, world_size=2, n=2, active=[0, 1], sync_count=0).check_missing(names)
+    verdict = check_agreement(reduced(control_tensor(0, 2, 4, 4, [True, True]), control_tensor(1, 2, 4, 4, [True, False])),
+                              rank=0, world_size=2, n=2, active=[0, 1], sync_count=0)
     with pytest.raises(RuntimeError, match=r"1 parameter\(s\).*: b.weight\..*find_unused_parameters=True"):
-        check_missing([2, 1], ["a.weight", "b.weight"], expected=2)
+        verdict.check_missing(names)
 
 
 def test_non_finite_gradients_are_named():

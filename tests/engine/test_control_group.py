@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsync
-from gradsync.engine import plane as plane_module
+from gradsync.engine import groups as plane_module
 from gradsync.tools.launch import run_ranks
 from helpers import Branches, Normed, assert_close_dicts, batches, grads, mlp, shard
 

@@ -65,7 +65,7 @@ def gated(rank, world_size):
     last = len(model.reducer.buckets) - 1
     gate = torch.futures.Future()
 
-    @gradsync.engine.comm.one_collective
+    @gradsync.hooks.one_collective
     def hook(state, bucket):
         fut = gradsync.allreduce_hook(None, bucket)
         if bucket.index() != last:

@@ -225,7 +225,7 @@ def test_which_hooks_may_overlap_their_buckets():
 
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
-    from gradsync.engine.comm import issues_one_collective, one_collective
+    from gradsync.engine.launcher import issues_one_collective, one_collective
 
     for hook in (gradsync.allreduce_hook, gradsync.bf16_compress_hook, default_hooks.allreduce_hook,
                  default_hooks.fp16_compress_hook, functools.partial(default_hooks.allreduce_hook)):
@@ -238,7 +238,7 @@ def test_which_hooks_may_overlap_their_buckets():
 def compressed_side_by_side(rank, world_size, view):
     """gradsync's bf16_compress_hook and torch's (torch's DDP refuses bf16 hooks on CPU, so both run
     in gradsync's DDP), same process group; 3 steps."""
-    from gradsync.engine import comm
+    from gradsync.hooks import default as comm
 
     ours = gradsync.DDP(mlp(seed=0), gradient_as_bucket_view=view, **SMALL_BUCKETS)
     ours.register_comm_hook(None, gradsync.bf16_compress_hook)
@@ -251,7 +251,7 @@ def compressed_side_by_side(rank, world_size, view):
         want = rank_steps(theirs, rank, world_size, data[j:j + 1])[0]
         for name in want:
             assert torch.equal(got[name], want[name]), (j, name)
-        pools.append({t.data_ptr() for t in comm._wire.free})
+        pools.append({t.data_ptr() for t in comm.wire_pool.free})
     return pools
 
 
@@ -266,7 +266,7 @@ def test_bf16_compress_hook_matches_torchs_and_reuses_its_wire_buffers(world_siz
 def wire_exact(rank, world_size):
     """bf16_wire_hook against its definition: round each rank's gradient to bf16, average in fp32
     (rank order), round the average to bf16. Returns the wire buffers seen after each step."""
-    from gradsync.engine import comm
+    from gradsync.hooks import default as comm
 
     model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
     model.register_comm_hook(None, gradsync.bf16_wire_hook)
@@ -283,7 +283,7 @@ def wire_exact(rank, world_size):
             for part in parts[1:]:
                 total += part.to(torch.bfloat16).float()
             assert torch.equal(got[name], (total / world_size).to(torch.bfloat16).float()), name
-        pools.append({t.data_ptr() for t in comm._wire.free})
+        pools.append({t.data_ptr() for t in comm.wire_pool.free})
     return pools
 
 

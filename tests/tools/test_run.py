@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from gradsync.tools import cli, run
+from gradsync.tools import cli
+from gradsync.tools.elastic import run
 
 SRC = str(Path(run.__file__).resolve().parents[2])
 ENV = {**os.environ, "PYTHONPATH": SRC}  # this checkout, as conftest.py does

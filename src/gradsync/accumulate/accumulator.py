@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,18 +20,18 @@ import torch.distributed as dist
 from torch import nn
 
 from .._torch import foreach_mul_
-from ..engine.control import SyncError
+from ..engine.errors import SyncError
 from ..ddp.seam import SyncTarget
-from ..elastic.join import at_boundary
-from .noise import NoiseEstimates, NoiseScale
-from .normalize import ITEMS, MEAN, TAG, as_count, check_kinds, is_mean, window_factor, without_failed
+from .. import process
+from .noise import NoiseEstimates
+from .normalize import ITEMS, MEAN, MEAN_WITH_ITEMS, TAG, as_count, check_kinds, is_mean, window_factor, without_failed
 from .skips import SkipMicroStep, check_skip_on, exchange_records, reason_of, skippable
 from .optim import WindowOptimizer, WindowScheduler
 from .windows import Windows
 
 
 
-class GradientAccumulator(NoiseEstimates, Windows):
+class GradientAccumulator(Windows):
     """Accumulate gradients over windows of ``steps`` micro-steps, communicating once per window.
 
     Inside a window the model runs without communication; the micro-step that closes it syncs
@@ -51,13 +50,6 @@ class GradientAccumulator(NoiseEstimates, Windows):
             self._device = self._target.control_group()[1]
         # torch's DDP has the same switch (read at its forward) and a process group, not the rest
         self._switchable = hasattr(model, "require_backward_grad_sync")
-        if self.sync_each_batch and getattr(getattr(model, "reducer", None), "membership", None) is not None:
-            raise ValueError("gradsync: sync_each_batch=True with elastic membership: a replica that dies mid-window "
-                             "leaves its synced micro-steps in the survivors' gradients, so the window could not be "
-                             "the exact mean over what the survivors kept. Use sync_each_batch=False")
-        if self._target is not None and hasattr(model, "reducer"):  # names the window in membership events
-            window_of = weakref.WeakMethod(self._window_of)
-            model.reducer.window_source = lambda: window_of()() if window_of() is not None else None
         self._warned_mean = False
         # skips (skips.py): a micro-step that ends early on one rank costs that micro-step only
         self.skip_on, self.skip_nonfinite = check_skip_on(skip_on), bool(skip_nonfinite)
@@ -67,25 +59,22 @@ class GradientAccumulator(NoiseEstimates, Windows):
         self.wrapped_optimizers: list[Any] = []  # sent to a replica that joins (elastic_join.py)
         self.wrapped_schedulers: list[Any] = []
         self._boundary_done = -1  # the window boundary at_window_start() last ran at
-        # the gradient noise scale (noise.py) and the window's gradient norm
-        self._noise = NoiseScale() if noise_scale else None
+        self.noise = NoiseEstimates(model, noise_scale)  # the gradient noise scale and the window's norm (noise.py)
         if noise_scale and self._target is not None:
             if getattr(model, "sharded", False):
                 raise ValueError("gradsync: noise_scale=True needs every rank's whole window gradient, which "
                                  "ShardedDataParallel does not keep; use DistributedDataParallel")
             self._target.measure_local_norms()
-        self._first: tuple[float, float] | None = None  # one rank: the window's first micro-step (|G|^2, batch)
-        self._grad_norm: float | None = None
         self._started = False  # this micro-step's backward began
         self._pending_carry: Any = None  # the reader of what this micro-step's backward carries
         self._mark: Any = None
+        process.announce("accumulator", self)  # features that follow windows attach here (gradsync.elastic)
 
-    def _window_of(self) -> tuple[int, int] | None:
-        """(windows started, micro-steps planned for the current one): names a membership event's window."""
+    def window_position(self) -> tuple[int, int] | None:
+        """(windows started, micro-steps planned for the current one), or None before the first."""
         return (self.windows, self._window_len) if self.windows else None
 
-    # read at each use: elastic membership (elastic/membership.py) changes the model's group
-    @property
+    @property  # read at each use: a commit protocol may re-form the model's group
     def _group(self) -> Any:
         return (getattr(self.model, "process_group", None) or dist.group.WORLD) if self._switchable else None
 
@@ -102,7 +91,7 @@ class GradientAccumulator(NoiseEstimates, Windows):
         if self._boundary:
             self.at_window_start()
             self._start_window()
-            self._grad_norm, self._first = None, None
+            self.noise.start_window()
             if self._short_by and self._target is not None:
                 self._target.advance_counters(self._short_by)
         self._position += 1
@@ -125,13 +114,9 @@ class GradientAccumulator(NoiseEstimates, Windows):
                 self.model.require_backward_grad_sync = previous
 
     def backward(self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None) -> None:
-        """With ``num_items=n``, ``loss`` must be the SUM over ``n`` local items; without it, a mean.
-
-        Back-propagates ``loss`` scaled so that a window's gradient equals one big batch's. With
-        ``num_items`` the window's gradient is the mean over every item of every micro-step on every
-        rank; a mean loss there would make it ``n`` times too small (warned once where the loss
-        visibly comes from a mean reduction).
-        """
+        """Back-propagate ``loss`` scaled so that a window's gradient equals one big batch's. Without
+        ``num_items``, ``loss`` is a mean; with ``num_items=n`` it must be the SUM over ``n`` local items,
+        and the window's gradient is the mean over every item of every micro-step on every rank."""
         if not self._active:
             raise RuntimeError("gradsync: acc.backward() must run inside `with acc.accumulate():` (the "
                                "accumulator needs to know which micro-step of the window this is)")
@@ -151,10 +136,7 @@ class GradientAccumulator(NoiseEstimates, Windows):
         if kind == ITEMS:
             if not self._warned_mean and is_mean(loss):
                 self._warned_mean = True
-                warnings.warn("gradsync: acc.backward(loss, num_items=n) got a loss that is a mean, but it "
-                              "must be the sum over the n items, or the gradient comes out n times too "
-                              "small; pass the sum over the items, e.g. reduction='sum', or call "
-                              "acc.backward(loss) without num_items", UserWarning, stacklevel=2)
+                warnings.warn(MEAN_WITH_ITEMS, UserWarning, stacklevel=2)
             self._backward_items(loss, count)
             return
         unit = self._unit()
@@ -188,6 +170,10 @@ class GradientAccumulator(NoiseEstimates, Windows):
         self._ran_here(unit)
         if self._boundary:
             self._close(carried, work)
+
+    def _note_first(self, count: Any) -> None:
+        first = self._position == 1 and self._weights is None
+        self.noise.note_first(count, first=first, one_rank=self._world_size == 1, scale_len=self._scale_len)
 
     def _unit(self) -> int:
         """This micro-step's share of the window's loss: one micro-step, or its rows in a split() window."""
@@ -233,8 +219,11 @@ class GradientAccumulator(NoiseEstimates, Windows):
                           UserWarning, stacklevel=4)
             return
         self._scale(factor)
-        if self._noise is not None:
-            self._observe_noise(rows)
+        if self.noise.scale is not None:
+            several = self._world_size > 1 and self._target is not None
+            self.noise.observe(rows, items=self._kind == ITEMS, split=self._weights is not None, several=several,
+                               report=self._target.sync_report() if several else None, scale_len=self._scale_len,
+                               item_count=self._items, units=self._units)
 
     def _gather_skips(self, rows: dict[int, tuple[float, ...]]) -> list[tuple[int, int, str]]:
         if not any(row[3] for row in rows.values()):
@@ -314,12 +303,24 @@ class GradientAccumulator(NoiseEstimates, Windows):
         self.wrapped_schedulers.append(WindowScheduler(scheduler, self))
         return self.wrapped_schedulers[-1]
 
-    # ---------------------------------------------------------------- elastic membership
+    @property
+    def noise_scale(self) -> float | None:
+        """B_simple = tr(Sigma) / |G|^2 (noise.py), in items (num_items) or micro-batches, over every
+        window so far; the same on every rank. None until a window gave an estimate (or noise_scale=False)."""
+        return None if self.noise.scale is None else self.noise.scale.value
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The closed window's global gradient norm (as ``clip_grad_norm_`` computes it); read it after the
+        window's optimizer step and before ``zero_grad()``. None inside a window."""
+        if self.noise.grad_norm is None and self._boundary and not self._active and self.windows:
+            self.noise.grad_norm = self.noise.norm2() ** 0.5
+        return self.noise.grad_norm
+
     def at_window_start(self) -> None:
-        """Between windows: admit replicas waiting to join, or join if this replica arrived late
-        (``elastic_join.py``); once per boundary, and nothing without elastic membership."""
+        """Between windows, once per boundary: features that act there hear of it (``process.announce``)."""
         if self._boundary and not self._active and self._boundary_done != self.windows:
-            at_boundary(self)
+            process.announce("window", self)
             self._boundary_done = self.windows
 
 

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from .normalize import ITEMS
 
 
 class NoiseScale:
@@ -43,58 +42,55 @@ class NoiseScale:
 
 
 class NoiseEstimates:
-    """The accumulator's noise scale and gradient norm (a mixin of ``GradientAccumulator``)."""
+    """The accumulator's gradient noise scale (``scale``, None when off) and the closed window's gradient norm."""
 
-    @property
-    def noise_scale(self) -> float | None:
-        """B_simple = tr(Sigma) / |G|^2 (noise.py), in items (num_items) or micro-batches, over every
-        window so far; the same on every rank. None until a window gave an estimate (or noise_scale=False)."""
-        return None if self._noise is None else self._noise.value
+    def __init__(self, model: Any, enabled: bool):
+        self.model = model
+        self.scale = NoiseScale() if enabled else None
+        self.first: tuple[float, float] | None = None  # one rank: the window's first micro-step (|G|^2, batch)
+        self.grad_norm: float | None = None  # the closed window's, once read
 
-    @property
-    def grad_norm(self) -> float | None:
-        """The closed window's global gradient norm (as ``clip_grad_norm_`` computes it); read it after the
-        window's optimizer step and before ``zero_grad()``. None inside a window."""
-        if self._grad_norm is None and self._boundary and not self._active and self.windows:
-            self._grad_norm = self._norm2() ** 0.5
-        return self._grad_norm
+    def start_window(self) -> None:
+        self.grad_norm, self.first = None, None
 
-    def _norm2(self) -> float:
+    def norm2(self) -> float:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) ** 2)
 
-    def _note_first(self, count: Any) -> None:
+    def note_first(self, count: Any, *, first: bool, one_rank: bool, scale_len: float) -> None:
         """One rank: the window's first micro-step is the small batch (its gradient alone is in .grad now);
         ``count``: its item count (num_items), or None for a mean loss (one micro-batch, scaled 1/scale_len)."""
-        if self._noise is None or self._position != 1 or self._world_size != 1 or self._weights is not None:
+        if self.scale is None or not first or not one_rank:
             return
         batch = 1.0 if count is None else float(count)
         if batch > 0:
-            scale = self._scale_len if count is None else 1.0 / batch
-            self._first = (self._norm2() * scale ** 2, batch)
+            scale = scale_len if count is None else 1.0 / batch
+            self.first = (self.norm2() * scale ** 2, batch)
 
-    def _observe_noise(self, rows: dict[int, tuple[float, ...]]) -> None:
-        big2 = self._norm2()
-        self._grad_norm = big2 ** 0.5
-        if self._weights is not None:
+    def observe(self, rows: dict[int, tuple[float, ...]], *, items: bool, split: bool, several: bool, report: Any,
+                scale_len: float, item_count: Any, units: int) -> None:
+        """The window closed (its reduced gradient is in .grad). ``several`` ranks: ``report`` (the synced
+        backward's) has every rank's local squared norm; one rank: ``first`` is the small batch."""
+        big2 = self.norm2()
+        self.grad_norm = big2 ** 0.5
+        if split:
             return  # a split() window weights rows, not micro-batches: no estimate
-        items = self._kind == ITEMS
-        if self._world_size > 1 and self._target is not None:
-            report, small = self._target.sync_report(), []
+        if several:
+            small = []
             for r, row in rows.items():
                 mine = report.ranks.get(r) if report is not None else None
                 batch = row[1] if items else row[2]
                 if mine is not None and mine.local_norm2 is not None and batch > 0:
-                    small.append((mine.local_norm2 * ((1 / batch) if items else (self._scale_len / batch)) ** 2, batch))
+                    small.append((mine.local_norm2 * ((1 / batch) if items else (scale_len / batch)) ** 2, batch))
             big = sum(b for _, b in small)
         else:
-            small = [self._first] if self._first is not None else []
-            big = float(self._items) if items else float(self._units)
-        estimate = self._noise.estimate(small, big2, big)
+            small = [self.first] if self.first is not None else []
+            big = float(item_count) if items else float(units)
+        estimate = self.scale.estimate(small, big2, big)
         if estimate is not None:
-            self._noise.add(*estimate)
+            self.scale.add(*estimate)
 
 
 __all__ = ["NoiseEstimates", "NoiseScale"]

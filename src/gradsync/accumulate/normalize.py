@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from .._torch import saved_mean_reduction
-from ..engine.control import SyncError
+from ..engine.errors import SyncError
 
 MEAN, ITEMS = "mean loss", "num_items"
 # a window's kind as carried in the phase header: 0.0 none carried, 3.0 every micro-step skipped
@@ -73,4 +73,8 @@ def is_mean(loss: Any) -> bool:
     return saved_mean_reduction(getattr(loss, "grad_fn", None), loss.numel())
 
 
-__all__ = ["ITEMS", "MEAN", "TAG", "as_count", "check_kinds", "is_mean", "window_factor", "without_failed"]
+MEAN_WITH_ITEMS = ("gradsync: acc.backward(loss, num_items=n) got a loss that is a mean, but it must be the sum "
+                   "over the n items, or the gradient comes out n times too small; pass the sum over the items, "
+                   "e.g. reduction='sum', or call acc.backward(loss) without num_items")
+
+__all__ = ["MEAN_WITH_ITEMS", "ITEMS", "MEAN", "TAG", "as_count", "check_kinds", "is_mean", "window_factor", "without_failed"]

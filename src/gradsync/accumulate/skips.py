@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.control import SyncError
+from ..engine.errors import SyncError
 
 # Never skipped, whatever skip_on says: after these the process or its group is not usable
 # (ranks out of step, a broken link, an interrupt), or the code itself is wrong.

@@ -1,9 +1,10 @@
 """Where an accumulator is in its windows of micro-steps, the data that feeds them, and checkpoints.
 
-``Windows`` is the part of ``GradientAccumulator`` that knows nothing of models or ranks: which
-micro-step of which window this is, whether it closes the window (``is_boundary``) or communicates
-(``sync_gradients``), what ran in the window so far, and the data helpers ``iterate`` and
-``split``. ``accumulate.py`` adds the model: backward, normalization and skips.
+``Windows`` knows nothing of models: which micro-step of which window this is, whether it closes the
+window (``is_boundary``) or communicates (``sync_gradients``), what ran in the window so far, and the
+data helpers ``iterate`` and ``split``. ``GradientAccumulator`` (``accumulator.py``) is a ``Windows``
+that drives a model: backward, normalization and skips; it overrides ``at_window_start`` and the
+world size.
 """
 from __future__ import annotations
 
@@ -17,6 +18,13 @@ from ..tree import flatten, narrow, row_bounds, unflatten
 
 class Windows:
     """Windows of ``steps`` micro-steps (a ``split()`` window, or the data's end, may change one's length)."""
+
+    @property
+    def _world_size(self) -> int:
+        return 1  # ranks that share each window's micro-steps (an accumulator asks its model's group)
+
+    def at_window_start(self) -> None:
+        """Between windows, before the first micro-step of the next (an accumulator announces it)."""
 
     def __init__(self, steps: int, sync_each_batch: bool, device: torch.device):
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:

@@ -157,9 +157,8 @@ def _redirecting_init(self: Any, *args: Any, **kwargs: Any) -> None:
 
 
 _lock = threading.RLock()  # re-entered: the effect's undo runs inside _uninstall
-_active = 0
-_generation = 0  # bumped when the redirect ends: handles from before are spent (process.uninstall_all())
 _EFFECT = "replace-torch-ddp"
+state = process.state  # redirects: activations in force; redirect_generation: bumped when the redirect ends
 
 
 def _redirect() -> None:
@@ -170,39 +169,36 @@ def _redirect() -> None:
 
 
 def _restore() -> None:
-    global _active, _generation
     with _lock:
         _TorchDDP.__init__ = _torch_init  # type: ignore[method-assign]
-        _active = 0
-        _generation += 1
+        state.redirects = 0
+        state.redirect_generation += 1  # handles from before are spent (process.uninstall_all())
 
 
 def _install() -> int:
     """One more activation; return the generation the handle belongs to."""
-    global _active
     with _lock:
-        if _active == 0:
+        if state.redirects == 0:
             process.install(process.Effect(
                 name=_EFFECT, apply=_redirect, undo=_restore,
                 reason="code written for torch's DDP (frameworks, a bound class) builds gradsync's "
                        "wrapper; on request only (replace_torch_ddp())"))
-        _active += 1
-        return _generation
+        state.redirects += 1
+        return state.redirect_generation
 
 
 def _uninstall(generation: int) -> None:
-    global _active
     with _lock:
-        if generation != _generation:  # the redirect already ended (process.uninstall_all())
+        if generation != state.redirect_generation:  # the redirect already ended (process.uninstall_all())
             return
-        _active -= 1
-        if _active == 0:
+        state.redirects -= 1
+        if state.redirects == 0:
             process.uninstall(_EFFECT)
 
 
 def is_torch_ddp_replaced() -> bool:
     """True while at least one ``replace_torch_ddp()`` is active in this process."""
-    return _active > 0
+    return state.redirects > 0
 
 
 class TorchDDPReplacement:
@@ -214,7 +210,7 @@ class TorchDDPReplacement:
 
     @property
     def active(self) -> bool:
-        return self._active and self._generation == _generation
+        return self._active and self._generation == state.redirect_generation
 
     def undo(self) -> None:
         """Stop redirecting torch's DDP for this handle; idempotent. Models already built stay gradsync's."""

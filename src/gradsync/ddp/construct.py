@@ -1,9 +1,8 @@
-"""What ``DistributedDataParallel`` checks and resolves before it builds a reducer.
+"""What ``DistributedDataParallel`` checks before it builds a reducer.
 
-Constructor options with torch 2.13's meaning (process group or device mesh, buffer sync flags,
-bucket caps, ``device_ids``), the check that every rank wraps the same model, the initial
-broadcast in bounded chunks, the registry of parameters owned by live wrappers, and the
-communication hook's signature check.
+The check that every rank wraps the same model, the initial broadcast in bounded chunks, the registry
+of parameters owned by live wrappers, and the communication hook's signature check. Constructor
+options are resolved in ``options.py``.
 """
 from __future__ import annotations
 
@@ -11,7 +10,6 @@ import hashlib
 import inspect
 import re
 import sys
-import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -21,111 +19,40 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._torch import default_first_bucket_bytes, device_index, group_timeout
-from ..engine.buckets import MiB
-from ..engine.comm import GradBucket
-from ..engine.control import SyncError, bounded_wait
+from ..engine.layout import MiB
+from ..engine.launcher import GradBucket
+from ..engine.errors import SyncError
+from ..engine.control import bounded_wait
 
 # The initial broadcast copies at most this much into one flat tensor at a time (torch: 250 MiB)
 BROADCAST_CHUNK_BYTES = 25 * MiB
-DEFAULT_BUCKET_CAP_MB = 25.0
-DEFAULT_FIRST_BUCKET_CAP_MB = default_first_bucket_bytes() / MiB
 
 # id(parameter) -> the live wrapper that owns it; an entry goes when its wrapper is collected
 _OWNER: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def resolve_timeout(timeout: timedelta | float | None, group: dist.ProcessGroup,
-                    device: torch.device) -> timedelta:
-    """Return ``timeout`` as a timedelta; None means the process group's own timeout."""
-    if timeout is None:
-        return group_timeout(group, device)
-    if isinstance(timeout, (int, float)):
-        timeout = timedelta(seconds=timeout)
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout must be a positive number of seconds or a timedelta, got {timeout!r}")
-    return timeout
+def initial_wait(handle: Any, timeout: timedelta, rank: int) -> None:
+    """Wait for a collective of the initial broadcast, bounded by ``timeout``."""
+    try:
+        bounded_wait(handle, timeout)
+    except Exception as exc:
+        raise SyncError(
+            f"gradsync: rank {rank} waited for the initial broadcast of parameters and buffers and it failed "
+            f"or did not finish within {timeout.total_seconds():g}s: {exc}. Likely cause: another rank died "
+            "or raised while wrapping its model, or wraps a different number of models.") from exc
 
 
-def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> dist.ProcessGroup:
-    """Return the group to reduce over: ``process_group``, a 1-D ``device_mesh``'s, or the default one."""
-    if process_group is not None and device_mesh is not None:
-        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
-    if device_mesh is None:
-        return process_group if process_group is not None else dist.group.WORLD
-    if device_mesh.ndim != 1:
-        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}. Pass the "
-                           "data-parallel dimension, e.g. mesh['dp'].")
-    return device_mesh.get_group(mesh_dim=0)
-
-
-def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
-    """Return (sync buffers at runtime, include buffers in the init sync), warning like torch 2.13."""
-    if broadcast_buffers is not None:
-        if forward_sync_buffers is not None:
-            warnings.warn("`broadcast_buffers` is deprecated and ignored because `forward_sync_buffers` "
-                          "was given too; pass only `forward_sync_buffers`.", FutureWarning, stacklevel=3)
-        else:
-            warnings.warn("`broadcast_buffers` is deprecated; use `forward_sync_buffers`. Unlike "
-                          "`broadcast_buffers=False`, `forward_sync_buffers=False` still syncs buffers "
-                          "at construction (keep `broadcast_buffers=False` for rank-local buffers).",
-                          FutureWarning, stacklevel=3)
-    if forward_sync_buffers is not None:
-        return bool(forward_sync_buffers), True
-    sync = True if broadcast_buffers is None else bool(broadcast_buffers)
-    return sync, sync
-
-
-def resolve_auto_cap(bucket_cap_mb: Any, bucket_cap_mb_list: Any) -> bool:
-    """Return whether ``bucket_cap_mb="auto"`` was asked for; raise on what cannot go with it."""
-    if not isinstance(bucket_cap_mb, str):
-        return False
-    if bucket_cap_mb != "auto":
-        raise ValueError(f"gradsync: bucket_cap_mb must be a size in MiB or \"auto\", got {bucket_cap_mb!r}")
-    if bucket_cap_mb_list is not None:
-        raise ValueError("gradsync: bucket_cap_mb=\"auto\" chooses one cap for every bucket; it cannot go with "
-                         "bucket_cap_mb_list. Pass one of them.")
-    return True
-
-
-def resolve_bucket_caps(bucket_cap_mb: float | None, bucket_cap_mb_list: Sequence[float] | None,
-                        first_bucket_cap_mb: float | None) -> tuple[float | tuple[float, ...], float]:
-    """Return (``bucket_cap_mb`` for ``plan_buckets``, first bucket's cap) with torch's defaults.
-
-    As in torch, the small default first bucket (1 MiB) applies only when no cap was given: an
-    explicit ``bucket_cap_mb`` caps the first bucket too, and ``bucket_cap_mb_list`` gives each
-    bucket its own cap (the last one repeats). ``first_bucket_cap_mb`` overrides the first cap.
-    """
-    if bucket_cap_mb_list is not None:
-        caps = tuple(float(c) for c in bucket_cap_mb_list)
-        if not caps or min(caps) <= 0:
-            raise ValueError(f"bucket_cap_mb_list must be a non-empty list of positive sizes in MiB, "
-                             f"got {bucket_cap_mb_list!r}")
-        first = caps[0] if first_bucket_cap_mb is None else first_bucket_cap_mb
-        return caps, first
-    if bucket_cap_mb is None:
-        first = DEFAULT_FIRST_BUCKET_CAP_MB if first_bucket_cap_mb is None else first_bucket_cap_mb
-        return DEFAULT_BUCKET_CAP_MB, first
-    return bucket_cap_mb, bucket_cap_mb if first_bucket_cap_mb is None else first_bucket_cap_mb
-
-
-def resolve_device_ids(device_ids: Any, output_device: Any,
-                       params: Sequence[torch.Tensor]) -> tuple[list[int] | None, int | None]:
-    """Return torch's (device_ids, output_device): None for CPU and multi-device modules."""
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError("device_ids can only be None or contain a single element.")
-    devices = {p.device for p in params}
-    if not device_ids or len(devices) > 1 or next(iter(devices)).type == "cpu":
-        if device_ids or output_device:
-            raise ValueError(
-                "DistributedDataParallel device_ids and output_device arguments only work with "
-                "single-device/multiple-device GPU modules or CPU modules, but got device_ids "
-                f"{device_ids}, output_device {output_device}, and module parameters {devices}. "
-                "For a CPU or multi-device module leave both None."
-            )
-        return None, None
-    ids = [device_index(d) for d in device_ids]
-    return ids, device_index(output_device if output_device is not None else device_ids[0])
+def check_group(group: dist.ProcessGroup) -> None:
+    """Raise if the model's process group is gone."""
+    try:
+        ok = dist.is_initialized() and dist.get_rank(group) >= 0
+    except (ValueError, RuntimeError):
+        ok = False
+    if not ok:
+        raise RuntimeError(
+            "gradsync: the model's process group was destroyed (or torch.distributed was shut down); "
+            "DistributedDataParallel cannot communicate any more. Call model.module(...) for local "
+            "inference, or init_process_group() again and wrap a new model.")
 
 
 def describe(module: nn.Module) -> list[tuple]:
@@ -278,7 +205,7 @@ def claim(params: Sequence[torch.Tensor], wrapper: Any) -> None:
     """
     previous = {id(o): o for o in (_OWNER.get(id(p)) for p in params) if o is not None and o is not wrapper}
     for old in previous.values():
-        old._supersede()
+        old.supersede()
     _OWNER.update((id(p), wrapper) for p in params)
 
 

@@ -50,7 +50,7 @@ class DelayedAllReduce:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(ddp.world_size)
-        ddp._wait(dist.all_reduce(flat, group=ddp.process_group, async_op=True),
+        ddp.wait(dist.all_reduce(flat, group=ddp.process_group, async_op=True),
                   "the all-reduce of delay_all_reduce_named_params")
         for p, part in zip(self.params, flat.split([p.numel() for p in self.params])):
             if p.grad is None:

@@ -1,7 +1,7 @@
 """Refuse an optimizer step on gradients that local backwards left unsynchronized.
 
 A reducer whose backward ran without synchronizing (``no_sync``, or a backward without the
-wrapper's forward) marks itself here; the end of its next synced backward unmarks it. One
+wrapper's forward) sets its ``unsynced`` flag; the end of its next synced backward clears it. One
 global optimizer-step pre-hook (torch calls it for every optimizer) asks the marked reducers
 whether the optimizer's parameters hold such gradients and raises before anything changes.
 With no reducer marked, which is every step of a correct loop, the hook only tests two sets.
@@ -21,25 +21,17 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import process
 
-_known: weakref.WeakSet = weakref.WeakSet()  # every reducer the guard knows of; a deleted one drops out
-_unsynced: weakref.WeakSet = weakref.WeakSet()
-_exclusive: weakref.WeakSet = weakref.WeakSet()
-_ids: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # reducer -> frozenset of its parameter ids
-_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> _entry()
-_version = 0  # bumped when _known or _exclusive changes: cached entries recompute what they touch
-_anyone = False  # install() was called without a reducer: wrap every closure, as we cannot tell
-_handle: Any = None
+state = process.state  # the guard's reducers and caches are process-wide (process.State.guard_*)
 
 
 def install(reducer: Any = None) -> None:
     """Register the global optimizer-step pre-hook (once per process) and, if given, ``reducer``:
     the closures of the optimizers that step its parameters are checked after they run."""
-    global _anyone
     if reducer is None:
-        _anyone = True
+        state.guard_anyone = True
     else:
         _know(reducer)
-    if _handle is None:
+    if state.guard_handle is None:
         process.install(process.Effect(
             name="optimizer-step-guard", apply=_register, undo=_unregister,
             reason="an optimizer step on gradsync parameters whose gradients were not synchronized "
@@ -47,55 +39,45 @@ def install(reducer: Any = None) -> None:
 
 
 def _register() -> None:
-    global _handle
-    _handle = register_optimizer_step_pre_hook(_check_step)
+    state.guard_handle = register_optimizer_step_pre_hook(_check_step)
 
 
 def _unregister() -> None:
-    global _handle
-    _handle.remove()
-    _handle = None
+    state.guard_handle.remove()
+    state.guard_handle = None
 
 
 def _know(reducer: Any) -> None:
-    global _version
-    if reducer not in _known:
-        _known.add(reducer)
-        _version += 1
+    if reducer not in state.guard_known:
+        state.guard_known.add(reducer)
+        state.guard_version += 1
 
 
-def mark_unsynced(reducer: Any) -> None:
-    """Note that ``reducer``'s parameters may hold gradients that were not reduced yet."""
-    _unsynced.add(reducer)
-    install(reducer)
-
-
-def mark_synced(reducer: Any) -> None:
-    _unsynced.discard(reducer)
-
-
-def mark_exclusive(reducer: Any) -> None:
-    """Ask ``reducer.check_foreign_step(optimizer)`` before any step on its parameters."""
-    global _version
-    _exclusive.add(reducer)
-    _version += 1
-    install(reducer)
+def watch(reducer: Any) -> None:
+    """Guard the steps on ``reducer``'s parameters: once it has more than one rank, steps on gradients
+    it left unsynced (``reducer.unsynced``) raise; a store whose parameters only its own optimizer may
+    step (``exclusive``) is asked about every step that touches them."""
+    if reducer.store.exclusive:
+        state.guard_exclusive.add(reducer)
+        state.guard_version += 1
+        install(reducer)
+    if reducer.world_size > 1:
+        install(reducer)  # now, not at the first local backward: a step's closure may run that
 
 
 def forget(reducer: Any) -> None:
     """The wrapper is gone: its parameters train locally from now on."""
-    global _version
-    _unsynced.discard(reducer)
-    if reducer in _known or reducer in _exclusive:
-        _known.discard(reducer)
-        _exclusive.discard(reducer)
-        _version += 1
+    reducer.unsynced = False
+    if reducer in state.guard_known or reducer in state.guard_exclusive:
+        state.guard_known.discard(reducer)
+        state.guard_exclusive.discard(reducer)
+        state.guard_version += 1
 
 
 def _ids_of(reducer: Any) -> frozenset:
-    ids = _ids.get(reducer)
+    ids = state.guard_ids.get(reducer)
     if ids is None:
-        ids = _ids[reducer] = frozenset(id(p) for p in reducer.params)
+        ids = state.guard_ids[reducer] = frozenset(id(p) for p in reducer.params)
     return ids
 
 
@@ -104,19 +86,19 @@ def _entry(optimizer: torch.optim.Optimizer) -> list:
     groups = optimizer.param_groups
     signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
     try:
-        entry = _cache.get(optimizer)
+        entry = state.guard_cache.get(optimizer)
     except TypeError:  # not weak-referenceable: no cache
         entry = None
     if entry is None or entry[0] != signature:
         entry = [signature, frozenset(id(p) for g in groups for p in g["params"]), -1, (), False]
         try:
-            _cache[optimizer] = entry
+            state.guard_cache[optimizer] = entry
         except TypeError:
             pass
-    if entry[2] != _version:
-        entry[3] = tuple(weakref.ref(r) for r in _exclusive if not _ids_of(r).isdisjoint(entry[1]))
-        entry[4] = any(not _ids_of(r).isdisjoint(entry[1]) for r in list(_known))
-        entry[2] = _version
+    if entry[2] != state.guard_version:
+        entry[3] = tuple(weakref.ref(r) for r in state.guard_exclusive if not _ids_of(r).isdisjoint(entry[1]))
+        entry[4] = any(not _ids_of(r).isdisjoint(entry[1]) for r in list(state.guard_known))
+        entry[2] = state.guard_version
     return entry
 
 
@@ -125,7 +107,7 @@ def _check_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
     if not callable(closure):
         _check(optimizer)
         return None
-    if not _anyone and not (_known and _entry(optimizer)[4]):
+    if not state.guard_anyone and not (state.guard_known and _entry(optimizer)[4]):
         return None  # no gradsync model touches this optimizer: its closure reaches it untouched
 
     # The closure's backward may be the window's synced one (Lightning steps that way): check
@@ -140,17 +122,18 @@ def _check_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
 
 
 def _check(optimizer: torch.optim.Optimizer) -> None:
-    if not (_unsynced or _exclusive):
+    unsynced = [r for r in list(state.guard_known) if r.unsynced]
+    if not (unsynced or state.guard_exclusive):
         return
     _, ids, _, touched, _ = _entry(optimizer)
     for ref in touched:
         reducer = ref()
         if reducer is not None:
-            reducer.check_foreign_step(optimizer)
-    for reducer in list(_unsynced):  # a copy: the loop may discard
-        pending = reducer.unsynced_params()
+            reducer.store.check_foreign_step(optimizer)
+    for reducer in unsynced:
+        pending = [i for i, used in enumerate(reducer.window_used) if used and reducer.store.has_local_grad(i)]
         if not pending:  # zero_grad() dropped them
-            _unsynced.discard(reducer)
+            reducer.unsynced = False
             continue
         names = [reducer.names[i] for i in pending if id(reducer.params[i]) in ids]
         if names:
@@ -166,4 +149,4 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
                 "(or call optimizer.zero_grad() to discard those gradients).")
 
 
-__all__ = ["forget", "install", "mark_exclusive", "mark_synced", "mark_unsynced"]
+__all__ = ["forget", "install", "watch"]

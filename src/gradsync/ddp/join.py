@@ -24,17 +24,18 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join as TorchJoin, JoinHook
 
-from .._torch import disabled_join_config
-from ..engine.comm import one_collective
-from ..engine.control import SyncError, empty_control
+from .._torch import join_enabled, set_join_config_disabled
+from ..engine.launcher import one_collective
+from ..engine.errors import SyncError
+from ..engine.control import empty_control
 from ..engine.reducer import Reducer
 
 
 class DDPJoinHook(JoinHook):
-    """The wrapper's join hook; while a join is configured it is also the wrapper's ``_join``."""
+    """The wrapper's join hook; while a join is configured it is also the wrapper's ``join_state``."""
 
     def __init__(self, ddp: Any, divide_by_initial_world_size: bool = True):
-        if ddp._delayed is not None:
+        if ddp.delayed is not None:
             raise NotImplementedError(
                 "gradsync: join() does not shadow the delayed all-reduce of "
                 "delay_all_reduce_named_params; give every rank the same number of batches")
@@ -47,15 +48,17 @@ class DDPJoinHook(JoinHook):
             # like torch, the divisor applies to the default reduction only; a user's hook divides itself
             reducer.launcher.set_hook(average_over_active_ranks, self)
             self._own_hook = True
-        ddp._join = self
+        ddp.join_state = self
+        reducer.backward_check = self.check_backward
 
     def close(self) -> None:
         """Leave join mode: the next forwards run without handshakes."""
         ddp = self.ddp
-        if ddp._join is not self:
+        if ddp.join_state is not self:
             return
-        ddp._join = None
-        ddp._join_config = disabled_join_config()
+        ddp.join_state = None
+        ddp.reducer.backward_check = None
+        set_join_config_disabled(ddp)
         ddp.reducer.plane.set_active(None)
         if self._own_hook and ddp.reducer.launcher.hook is average_over_active_ranks:
             ddp.reducer.launcher.set_hook(None, None)
@@ -74,6 +77,8 @@ class DDPJoinHook(JoinHook):
         return active[0]
 
     def check_backward(self, sync: bool) -> None:
+        if not join_enabled(self.ddp):
+            return
         if self.expect_sync is not None and sync != self.expect_sync:
             raise RuntimeError(
                 "gradsync: inside model.join() the no_sync decision must be made before the forward "
@@ -96,20 +101,20 @@ class DDPJoinHook(JoinHook):
         buffers = list(ddp.module.buffers())
         if broadcasts and buffers:
             ddp.reducer.plane.exchange_header(0)
-            ddp._broadcast(buffers, active[0])
+            ddp.broadcast_tensors(buffers, active[0])
         if syncs:
             shadow_backward(ddp.reducer)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         """Copy the model from a rank that was active longest, then leave join mode."""
         ddp, reducer = self.ddp, self.ddp.reducer
-        ddp._authoritative_rank = max(self.last_active)
+        ddp.authoritative_rank = max(self.last_active)
         tensors = list(ddp.module.parameters())
         if ddp.forward_sync_buffers:
             tensors += list(ddp.module.buffers())
         # the counters the end-of-backward check compares: joined ranks ran fewer passes
         counters = torch.tensor([reducer.counters.backward, reducer.counters.forward], device=reducer.device)
-        ddp._broadcast(tensors + [counters], ddp._authoritative_rank)
+        ddp.broadcast_tensors(tensors + [counters], ddp.authoritative_rank)
         reducer.counters.backward, reducer.counters.forward = counters.tolist()
         self.close()
 

@@ -6,13 +6,12 @@ forward, while ``torch.func.functional_call`` may substitute them for the length
 """
 from __future__ import annotations
 
-import sys
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from .._torch import functional_call_code
+from .._torch import caller_frame, functional_call_code, module_slots
 
 
 def snapshot(module: nn.Module) -> list[tuple]:
@@ -43,15 +42,16 @@ def module_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Te
         if type(m).named_modules is not named_modules:
             return list(module.parameters()), list(module.buffers())
         seen_modules.add(m)
-        for p in m._parameters.values():
+        own_params, own_buffers, children = module_slots(m)
+        for p in own_params:
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
                 params.append(p)
-        for b in m._buffers.values():
+        for b in own_buffers:
             if b is not None and id(b) not in seen_buffers:
                 seen_buffers.add(id(b))
                 buffers.append(b)
-        stack.extend([c for c in reversed(m._modules.values()) if c is not None])
+        stack.extend([c for c in reversed(children) if c is not None])
     return params, buffers
 
 
@@ -96,7 +96,7 @@ def inside_functional_call() -> bool:
     """True when called (indirectly) from ``torch.func.functional_call``, which swaps parameters
     for the duration of one call."""
     code = _functional_call_code()
-    frame = sys._getframe(1)
+    frame = caller_frame()
     while frame is not None:
         if frame.f_code is code:
             return True

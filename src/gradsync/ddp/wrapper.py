@@ -1,65 +1,52 @@
 """The ``DistributedDataParallel`` module wrapper: forward, ``no_sync``, comm hooks, join, pickling.
 
-Construction checks and torch's constructor options are resolved in ``construct.py``.
+Constructor keywords are resolved in ``options.py`` and checked in ``construct.py``; the gradients'
+trip is the engine's (``engine/reducer.py``). Features attach where the wrapper announces itself
+(``process.announce("wrapper", ...)``).
 """
 from __future__ import annotations
 
 import contextlib
-import warnings
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Joinable, JoinHook
 
-from .._torch import TorchDDP, foreach_mul_, to_kwargs
-from ..engine.comm import CommHook
+from .. import process
+from .._torch import foreach_mul_, join_enabled, to_kwargs
+from ..engine import messages, replay
 from ..engine.autocap import check_auto_cap_hook_state
-from .compile import active_ddp, bucket_bytes_caps, skip_wrapper_frames
-from .construct import (broadcast_coalesced, check_comm_hook, check_wrappable, claim, resolve_auto_cap, resolve_bucket_caps, resolve_buffer_sync, resolve_device_ids, resolve_group, resolve_timeout, verify_same_model)
-from ..engine.control import SyncError, bounded_wait
-from .delay import DelayedAllReduce
-from ..engine.header import FORWARD
-from .join import DDPJoinHook, Join
-from ..engine.config import ReducerConfig, resolve_reduce_dtype
-from .grad_state import grad_state, load_grad_state
+from ..engine.config import ReducerConfig
+from ..engine.control import FORWARD
+from ..engine.errors import PeerFailure, SyncError
+from ..engine.launcher import CommHook
 from ..engine.reducer import Reducer
-from ..engine import protocol as membership
-from ..engine import replay as standin
+from . import guard, torch_extras
+from .compile import active_ddp, bucket_bytes_caps, skip_wrapper_frames
+from .construct import broadcast_coalesced, check_comm_hook, check_group, claim, initial_wait, verify_same_model
+from .delay import DelayedAllReduce
+from .grad_state import grad_state, load_grad_state
+from .join import DDPJoinHook, Join
+from .options import resolve
 from .snapshot import module_tensors, parameters_swapped, snapshot
-from ..engine.replay import Mark
-from ..engine.telemetry import ReportMethods
-from .torch_extras import TorchDDPExtras
 
 
-class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data parallelism with bucketed, backward-overlapped gradient averaging.
 
     A drop-in for ``torch.nn.parallel.DistributedDataParallel`` (torch 2.13): the same constructor
-    arguments with torch's meaning, ``no_sync()``, comm hooks, ``join()`` (a ``Joinable``, so
-    ``torch.distributed.algorithms.Join([model, optimizer])`` works too), pickling, and a
-    ``module.``-prefixed state dict. Buckets follow torch's caps: 25 MiB, and a 1 MiB first bucket
-    unless ``bucket_cap_mb`` (or ``bucket_cap_mb_list``) is given. gradsync's own keywords:
-    ``first_bucket_cap_mb`` caps the first bucket explicitly; ``timeout`` bounds every wait on a
-    collective (default: the process group's timeout); ``check_finite=True`` checks each reduced
-    bucket for NaN/inf and raises ``FloatingPointError`` naming the parameters before the gradients
-    are written back. ``reduce_dtype`` (e.g. ``torch.float32`` for bf16 parameters) accumulates
-    every micro-step's gradient and reduces in that dtype: after a synced backward
-    ``param.main_grad`` is the average (a view into the bucket) and ``.grad`` its copy in the
-    parameter's dtype (``engine/main_grad.py``).
-
-    ``skip_all_reduce_unused_params=True`` (with ``find_unused_parameters=True`` or ``static_graph``)
-    launches no collective for a bucket whose parameters no rank used in the previous synced backward,
-    the same buckets on every rank (``engine/unused.py``). Accepted for compatibility, with no effect:
-    ``batched_grad_copy`` (a CUDA kernel-launch optimization), ``check_reduction`` (deprecated in
-    torch too). ``broadcast_buffers`` is deprecated as in torch 2.13: ``broadcast_buffers=False``
-    also keeps buffers out of the initial sync, ``forward_sync_buffers=False`` does not.
-    ``delay_all_reduce_named_params`` parameters are averaged when a synchronizing backward that
-    reached ``param_to_hook_all_reduce`` ends. ``mixed_precision`` is not supported.
+    arguments with torch's meaning, ``no_sync()``, comm hooks, ``join()`` (a ``Joinable``), pickling,
+    and a ``module.``-prefixed state dict. gradsync's own keywords: ``first_bucket_cap_mb`` (the first
+    bucket's cap), ``timeout`` (bounds every wait on a collective; default: the group's),
+    ``check_finite`` (raise ``FloatingPointError`` naming the parameters whose reduced gradient is not
+    finite, before writing back), ``reduce_dtype`` (accumulate and reduce in that dtype: ``param.main_grad``
+    is the average, ``.grad`` its copy in the parameter's dtype), ``straggler_warning``, and
+    ``bucket_cap_mb="auto"``. docs/differences.md lists every difference from torch's DDP.
     """
 
     sharded = False  # ShardedDataParallel: gradient shards (refusals in config.py, parts in make_reducer)
@@ -79,160 +66,121 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
                  reduce_dtype: torch.dtype | None = None, straggler_warning: bool = True):
         super().__init__()
         Joinable.__init__(self)
-        if mixed_precision is not None:
-            raise NotImplementedError("gradsync: mixed_precision (torch's experimental _MixedPrecision) is "
-                                      "not supported; keep parameters in one dtype or use torch.autocast")
-        if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
-            raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
-                             "need to be set at the same time.")
-        if check_reduction:
-            warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
-                          "deprecated. Please avoid using it.", FutureWarning, stacklevel=2)
-        self.process_group = resolve_group(process_group, device_mesh)
+        options = resolve(  # every refusal comes here, before the first collective (verify_same_model)
+            type(self), module, refuse=(DistributedDataParallel,), device_ids=device_ids, output_device=output_device,
+            broadcast_buffers=broadcast_buffers, process_group=process_group, bucket_cap_mb=bucket_cap_mb,
+            find_unused_parameters=find_unused_parameters, check_reduction=check_reduction,
+            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
+            delay_all_reduce_named_params=delay_all_reduce_named_params, param_to_hook_all_reduce=param_to_hook_all_reduce,
+            mixed_precision=mixed_precision, device_mesh=device_mesh, bucket_cap_mb_list=bucket_cap_mb_list,
+            skip_all_reduce_unused_params=skip_all_reduce_unused_params, forward_sync_buffers=forward_sync_buffers,
+            first_bucket_cap_mb=first_bucket_cap_mb, timeout=timeout, check_finite=check_finite,
+            reduce_dtype=reduce_dtype, straggler_warning=straggler_warning, sharded=self.sharded)
+        self.process_group, self.device_ids, self.output_device = options.process_group, options.device_ids, options.output_device
         if device_mesh is not None:
             self.device_mesh = device_mesh
-        trainable = check_wrappable(module, (DistributedDataParallel, TorchDDP))
-        delayed = dict(delay_all_reduce_named_params or ())
-        reduced = [n for n, _ in trainable if n not in delayed]
-        if not reduced:
-            raise NotImplementedError("gradsync: delay_all_reduce_named_params names every trainable "
-                                      "parameter; leave at least one to the reducer")
-        self.device_ids, self.output_device = resolve_device_ids(device_ids, output_device,
-                                                                 [p for _, p in trainable])
-        self.module = module
-        self.dim = dim
-        self.forward_sync_buffers, init_sync_buffers = resolve_buffer_sync(broadcast_buffers,
-                                                                           forward_sync_buffers)
+        self.module, self.dim, self.device = module, dim, options.device
+        self.forward_sync_buffers = options.forward_sync_buffers
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True  # False: the next forwards do not sync buffers
         self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.batched_grad_copy = batched_grad_copy
-        self.device = trainable[0][1].device
         self.world_size = dist.get_world_size(self.process_group)
-        auto = resolve_auto_cap(bucket_cap_mb, bucket_cap_mb_list)
-        caps, first_cap = resolve_bucket_caps(None if auto else bucket_cap_mb, bucket_cap_mb_list,
-                                              first_bucket_cap_mb)
-        # every refusal comes here, before the first collective (verify_same_model)
-        config = ReducerConfig(
-            bucket_cap_mb=caps, first_bucket_cap_mb=first_cap, auto_bucket_cap=auto,
-            user_first_bucket_cap_mb=first_bucket_cap_mb, find_unused_parameters=find_unused_parameters,
-            gradient_as_bucket_view=gradient_as_bucket_view, static_graph=static_graph,
-            skip_all_reduce_unused_params=bool(skip_all_reduce_unused_params),
-            timeout=resolve_timeout(timeout, self.process_group, self.device),
-            reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]), check_finite=check_finite,
-            sharded=self.sharded, straggler_warning=bool(straggler_warning), wrapper_name=type(self).__name__)
         skip_wrapper_frames()
-        self._reduced_names = reduced
-        self._delayed_names = list(delayed)
-        self._delay_trigger = param_to_hook_all_reduce
+        self.reduced_names, self.delayed_names, self.delay_trigger = options.reduced, list(options.delayed), param_to_hook_all_reduce
         if init_sync:  # before the reducer allocates its buckets: peak memory is one model copy less
-            verify_same_model(module, self.process_group, config.timeout, self.device)
+            verify_same_model(module, self.process_group, options.config.timeout, self.device)
             if self.world_size > 1:
-                self._broadcast(list(module.parameters())
-                                + (list(module.buffers()) if init_sync_buffers else []), timeout=config.timeout)
-        self._param_snapshot = snapshot(module)
-        self._build_reducer(config)
-        follows = membership.current()
-        if follows is not None and process_group is None and device_mesh is None:
-            if skip_all_reduce_unused_params:  # a replica that joins has not seen which buckets the others skip
-                raise ValueError("gradsync: skip_all_reduce_unused_params=True is not supported with "
-                                 "gradsync.elastic membership; leave it False")
-            membership.follow(self, follows)  # elastic/membership.py: re-form after a member leaves
+                self.broadcast_tensors(list(module.parameters()) + (list(module.buffers())
+                                       if options.init_sync_buffers else []), timeout=options.config.timeout)
+        self.param_snapshot = snapshot(module)
+        self.build_reducer(options.config)
+        # a feature that follows the default group (gradsync.elastic) attaches here
+        process.announce("wrapper", self, process_group is None and device_mesh is None)
 
     def make_reducer(self, params: list[nn.Parameter], names: list[str], config: ReducerConfig) -> Reducer:
-        """Build the reducer over ``params``; a subclass plugs in another store and launcher (sharded)."""
-        return Reducer(params, names, self.process_group, config, should_sync=should_sync_of(self))
+        return Reducer(params, names, self.process_group, config, switch=self)  # sharded plugs in its parts
 
-    def _build_reducer(self, config: ReducerConfig) -> None:
+    def build_reducer(self, config: ReducerConfig) -> None:
         named = dict(self.module.named_parameters())
-        params = [named[n] for n in self._reduced_names]
-        self.reducer = self.make_reducer(params, list(self._reduced_names), config)
-        weakref.finalize(self, self.reducer.remove_hooks)  # a deleted wrapper leaves no hooks behind
-        self._join: DDPJoinHook | None = None  # set by join_hook() while a join is configured
-        self._delayed = None
-        if self._delayed_names:
-            self._delayed = DelayedAllReduce(self, [named[n] for n in self._delayed_names], self._delay_trigger)
-            weakref.finalize(self, self._delayed.remove)
-        claim(params + (self._delayed.params if self._delayed else []), self)
+        params = [named[n] for n in self.reduced_names]
+        self.reducer = reducer = self.make_reducer(params, list(self.reduced_names), config)
+        guard.watch(reducer)
+        weakref.finalize(self, _release, reducer)  # a deleted wrapper leaves no hooks behind
+        self.join_state: DDPJoinHook | None = None  # set by join_hook() while a join is configured
+        self.delayed = None
+        if self.delayed_names:
+            self.delayed = DelayedAllReduce(self, [named[n] for n in self.delayed_names], self.delay_trigger)
+            weakref.finalize(self, self.delayed.remove)
+        claim(params + (self.delayed.params if self.delayed else []), self)
 
-    def _wait(self, work: dist.Work, what: str = "a broadcast of parameters or buffers",
-              timeout: timedelta | None = None) -> None:
+    def follow_group(self, group: dist.ProcessGroup) -> None:
+        """The reducer now reduces over ``group`` (a commit protocol re-formed it): follow it."""
+        self.process_group, self.world_size = group, dist.get_world_size(group)
+        guard.watch(self.reducer)  # a replica that joined was built on a group of its own
+
+    def wait(self, handle: Any, what: str = "a broadcast of parameters or buffers",
+             timeout: timedelta | None = None) -> None:
+        """Wait for a collective's Work or future, bounded by ``timeout``, naming ``what`` if it fails."""
         reducer = self.__dict__.get("reducer")
-        if reducer is not None:
-            reducer.wait(work, what)
-            return
-        try:
-            bounded_wait(work, timeout)
-        except Exception as exc:
-            raise SyncError(
-                f"gradsync: rank {dist.get_rank(self.process_group)} waited for the initial broadcast of "
-                f"parameters and buffers and it failed or did not finish within "
-                f"{timeout.total_seconds():g}s: {exc}. Likely cause: another rank died or raised "
-                "while wrapping its model, or wraps a different number of models."
-            ) from exc
+        if reducer is None:  # the initial broadcast
+            initial_wait(handle, timeout, dist.get_rank(self.process_group))
+        else:
+            reducer.wait(handle, what)
 
-    def _broadcast(self, tensors: list[torch.Tensor], src_rank: int = 0, timeout: timedelta | None = None) -> None:
-        wait = self._wait if timeout is None else lambda work: self._wait(work, timeout=timeout)
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src_rank: int = 0, timeout: timedelta | None = None) -> None:
+        """Copy ``tensors`` from ``src_rank`` (an index in the wrapper's group) to every rank, bounded."""
+        wait = self.wait if timeout is None else lambda work: self.wait(work, timeout=timeout)
         broadcast_coalesced(tensors, self.process_group, wait, src_rank)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if getattr(self, "_superseded", False):
+        if getattr(self, "superseded", False):
             raise RuntimeError(
                 "gradsync: this DistributedDataParallel no longer synchronizes: its module (or part "
                 "of it) was wrapped again by a newer DistributedDataParallel, which now owns the "
                 "parameters. Use the newer wrapper.")
-        self.reducer.prepare_for_forward()
-        if self._delayed is not None:
-            self._delayed.prepare_for_forward()
+        reducer = self.reducer
+        reducer.prepare_for_forward()
+        if self.delayed is not None:
+            self.delayed.prepare_for_forward()
         current, module_buffers = module_tensors(self.module)  # one walk for both (snapshot.py)
-        swapped = parameters_swapped(self.module, self._param_snapshot, self.reducer.params, current)
-        self._check_group()
-        src = self._join.before_forward() if self._join_config.enable and self._join is not None else 0
+        swapped = parameters_swapped(self.module, self.param_snapshot, reducer.params, current)
+        check_group(self.process_group)
+        src = self.join_state.before_forward() if self.join_state is not None and join_enabled(self) else 0
         buffers = module_buffers if self.will_broadcast_buffers() else []
-        if buffers and self.reducer.broken is None:
+        if buffers and (reducer.attached is None or reducer.attached.broken is None):
             try:
-                self.reducer.plane.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
-                self._broadcast(buffers, src)
-            except membership.PeerFailure as exc:
-                if self.reducer.membership is None:
-                    raise
-                self.reducer.break_group(exc)  # local buffers until the window's synced backward re-forms
+                reducer.plane.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
+                self.broadcast_tensors(buffers, src)
+            except PeerFailure as exc:  # only with a commit protocol: local buffers until it re-forms
+                reducer.attached.lose_group(exc)
         if self.device_ids:  # a single-GPU module: inputs move to its device, as in torch
             inputs, kwargs = to_kwargs(inputs, kwargs, torch.device(self.device.type, self.device_ids[0]))
-        with active_ddp(self, bucket_bytes_caps(*self.reducer.store.caps)[1]):  # compiled frames split at bucket boundaries
+        with active_ddp(self, bucket_bytes_caps(*reducer.store.caps)[1]):  # compiled frames split at bucket boundaries
             output = self.module(*inputs, **kwargs)
         if torch.is_grad_enabled() and not swapped:
-            self.reducer.prepare_for_backward(output, self.module.training, self.require_backward_grad_sync)
+            reducer.prepare_for_backward(output, self.module.training, self.require_backward_grad_sync)
         return output
 
-    # ---------------------------------------------------------------- skipped micro-steps (standin.py)
-    join_active = property(lambda self: self._join is not None)
-
-    def mark_micro_step(self) -> Mark:
+    def mark_micro_step(self) -> replay.Mark:
         """This rank's counters as a micro-step begins (``stand_in`` compares against them)."""
-        return standin.mark(self)
+        return replay.mark(self)
 
-    def stand_in(self, start: Mark, sync: bool, again: bool = True) -> str:
-        """Run the collectives the other ranks ran in a micro-step this rank skipped (``standin.py``)."""
-        return standin.stand_in(self, start, sync, again)
+    def stand_in(self, start: replay.Mark, sync: bool, again: bool = True) -> str:
+        """Run the collectives the other ranks ran in a micro-step this rank skipped."""
+        return replay.stand_in(self, start, sync, again)
 
     def advance_counters(self, micro_steps: int) -> None:
         """This rank runs ``micro_steps`` fewer micro-steps than the others in this window (an uneven
         plan: ``acc.plan_window``); count them as run, so the phase headers agree."""
-        if self.will_broadcast_buffers() and next(self.module.buffers(), None) is not None:
-            raise ValueError("gradsync: ranks with different numbers of micro-steps in a window cannot broadcast "
-                             "buffers at every forward (each forward would pair with a different collective); "
-                             "construct the model with broadcast_buffers=False, or give every rank the same count")
-        c = self.reducer.counters
-        c.forward += micro_steps * int(self.module.training)
-        c.backward += micro_steps
+        replay.advance(self, micro_steps)
 
     def failed_ranks(self) -> list[int]:
         """Ranks whose latest synced backward failed part-way (their window was reduced as nothing)."""
         return list(self.reducer.failed_ranks)
 
     def broadcast_buffers_from(self, src_rank: int) -> None:
-        self._broadcast(list(self.module.buffers()), src_rank)
+        self.broadcast_tensors(list(self.module.buffers()), src_rank)
 
     def will_broadcast_buffers(self) -> bool:
         # Every training forward starts from rank 0's buffers, no_sync micro-steps included; eval
@@ -240,67 +188,31 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
         return (self.forward_sync_buffers and self.require_forward_param_sync and self.world_size > 1
                 and self.module.training and torch.is_grad_enabled())
 
-    @property
-    def broadcast_buffers(self) -> bool:
-        """Deprecated alias of ``forward_sync_buffers`` (as in torch 2.13)."""
-        return self.forward_sync_buffers
+    broadcast_buffers = property(lambda self: self.forward_sync_buffers,  # deprecated alias, as in torch 2.13
+                                 lambda self, value: setattr(self, "forward_sync_buffers", value))
 
-    @broadcast_buffers.setter
-    def broadcast_buffers(self, value: bool) -> None:
-        self.forward_sync_buffers = value
-
-    def _supersede(self) -> None:
+    def supersede(self) -> None:
         """A newer wrapper took over the parameters: release them and refuse to run."""
-        self.reducer.remove_hooks()
-        if self._delayed is not None:
-            self._delayed.remove()
-        self._superseded = True
-
-    def _check_group(self) -> None:
-        try:
-            ok = dist.is_initialized() and dist.get_rank(self.process_group) >= 0
-        except (ValueError, RuntimeError):
-            ok = False
-        if not ok:
-            raise RuntimeError(
-                "gradsync: the model's process group was destroyed (or torch.distributed was shut "
-                "down); DistributedDataParallel cannot communicate any more. Call model.module(...) "
-                "for local inference, or init_process_group() again and wrap a new model."
-            )
-
-    def _backward_syncs(self) -> bool:
-        sync = self.require_backward_grad_sync
-        if self._join_config.enable and self._join is not None:
-            self._join.check_backward(sync)
-        return sync
+        _release(self.reducer)
+        if self.delayed is not None:
+            self.delayed.remove()
+        self.superseded = True
 
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> Join:
-        """Return a context manager for uneven inputs: wrap the training loop in ``with model.join():``.
-
-        torch's meaning: a rank whose loop ends early keeps taking part in the others' collectives
-        with zero gradients until every rank is done, then parameters (and buffers, unless
-        ``forward_sync_buffers=False``) are copied from a rank that ran longest. Gradients divide
-        by the initial world size, or with ``divide_by_initial_world_size=False`` by the number
-        of ranks still active. ``throw_on_early_termination=True`` raises on every rank as soon
-        as one runs out of data. Inside it, decide ``no_sync`` before each forward, and follow
-        each forward made with gradients enabled by exactly one backward.
-        """
-        return Join([self], enable, throw_on_early_termination,
-                    divide_by_initial_world_size=divide_by_initial_world_size)
+        """Uneven inputs, torch's meaning: wrap the training loop in ``with model.join():``. A rank whose
+        loop ends early shadows the others' collectives with zero gradients; then parameters (and
+        buffers) are copied from a rank that ran longest. Inside it, decide ``no_sync`` before each
+        forward, and follow each forward made with gradients enabled by exactly one backward."""
+        return Join([self], enable, throw_on_early_termination, divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         """The ``Joinable`` hook: ``divide_by_initial_world_size`` (default True) as in ``join()``."""
         self.reducer.skips.forget()  # every rank enters the join here; a joined rank shadows every bucket
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
-    @property
-    def join_device(self) -> torch.device:
-        return self.device
-
-    @property
-    def join_process_group(self) -> dist.ProcessGroup:
-        return self.process_group
+    join_device = property(lambda self: self.device)
+    join_process_group = property(lambda self: self.process_group)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -317,14 +229,12 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
         try:
             check_comm_hook(hook)
         except (TypeError, ValueError) as exc:
-            self._log_error(exc)  # torch's logger keeps it
-            raise
+            raise self._log_error(exc)  # torch's logger keeps it
         if self.reducer.launcher.hook is not None:  # torch's sentence: its tests match it
             self._log_and_throw(RuntimeError, "gradsync: register_comm_hook or register_builtin_comm_hook can "
                                 "only be called once. This model already has a communication hook.")
         if self.reducer.backward_count > 0:
-            self._log_and_throw(RuntimeError, "gradsync: register_comm_hook must be called before the first "
-                                "backward")
+            self._log_and_throw(RuntimeError, "gradsync: register_comm_hook must be called before the first backward")
         check_auto_cap_hook_state(self.reducer.auto_caps, state)
         self.reducer.launcher.set_hook(hook, state)
 
@@ -332,64 +242,88 @@ class DistributedDataParallel(TorchDDPExtras, ReportMethods, nn.Module, Joinable
         """Start recording a per-bucket timeline of every synced backward; return the record list."""
         return self.reducer.enable_trace()
 
-    @property
-    def comm_trace(self) -> list[dict] | None:
-        return self.reducer.trace
+    comm_trace = property(lambda self: self.reducer.trace)
+
+    def export_trace(self, path: str) -> None:
+        """Write every rank's comm trace (``enable_comm_trace()``) to ``path`` as one Chrome trace /
+        Perfetto JSON (``engine/telemetry.py``). A collective: call it on every rank; rank 0 writes."""
+        torch_extras.export_trace(self, path)
+
+    def sync_report(self) -> Any:
+        """The latest synced backward as every rank saw it, the same on every rank (``engine/telemetry.py``):
+        ``ranks[r].compute_ms`` (its own backward), ``ranks[r].wait_ms`` (its waits), ``slowest``; or None."""
+        return self.reducer.last_report
+
+    def measure_local_norms(self) -> None:
+        """From now on each synced backward's report carries every rank's local squared gradient norm."""
+        self.reducer.measure_norm = True
 
     @property
     def bucket_choice(self) -> dict | None:
-        """With ``bucket_cap_mb="auto"``: the chosen cap and each candidate's median synced backward
-        (max over ranks; ``engine/autocap.py``). None before the choice or without ``"auto"``."""
+        """``bucket_cap_mb="auto"``'s choice and each candidate's median (``engine/autocap.py``), or None."""
         auto = self.reducer.auto_caps
         return None if auto is None or auto.choice is None else auto.choice.as_dict()
 
-    def wait(self, handle: Any, what: str) -> None:
-        """Wait for a collective's Work or future, bounded by ``timeout``, naming ``what`` if it fails."""
-        self.reducer.wait(handle, what)
-
     def carry_with_next_sync(self, values: Sequence[float]) -> Callable[[], dict[int, tuple]] | None:
-        """Send ``values`` in the next synced backward's phase header (no collective of its own, so it
-        cannot pair with a different one on a rank that disagrees); return a reader of the active
-        ranks' values by rank. None: headers are switched off (a measurement): exchange them yourself."""
+        """Send ``values`` in the next synced backward's phase header (no collective of its own); return a
+        reader of the active ranks' values by rank, or None if headers are off (exchange them yourself)."""
         plane = self.reducer.plane
         return plane.carry(values) if plane.headers else None
 
     def control_group(self) -> tuple[dist.ProcessGroup, torch.device]:
-        """The control plane's group and device: a layer's own small exchanges go there (``plane.py``)."""
+        """The control plane's group and device: a feature's own small exchanges go there."""
         return self.reducer.plane.group, self.reducer.plane.device
 
     def scale_grads_(self, factor: float) -> None:
         """Multiply every synchronized gradient by ``factor`` (used by the accumulator)."""
         if self.reducer.bucket_reduced is not None and factor != 1.0:
-            raise RuntimeError(
-                "gradsync: gradients must be rescaled after the synced backward (GradientAccumulator "
-                "with num_items, or a window that ended early), but overlap_optimizer already stepped "
-                "on them inside that backward. Use mean losses over full windows, or remove overlap_optimizer.")
+            raise RuntimeError(messages.RESCALE_AFTER_OVERLAP)
         grads = self.reducer.store.grad_tensors()
         if grads:
             foreach_mul_(grads, factor)
 
     def grad_state_dict(self) -> dict[str, Any]:
-        """Return this rank's gradients and the bucket layout: save both at every checkpoint.
-
-        Mid-window, the accumulated micro-steps are training state; the layout (re-planned after
-        the first synced backward) decides the summation order of every later reduction.
-        """
+        """This rank's gradients and the bucket layout: save both at every checkpoint (``grad_state.py``)."""
         return grad_state(self.reducer)
 
     def load_grad_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``grad_state_dict()`` of the same rank, before the first backward."""
         load_grad_state(self.reducer, state)
 
+    # ---------------------------------------------------------------- torch's attributes and private switches
+    find_unused_parameters = property(lambda self: self.reducer.config.find_unused_parameters)
+    gradient_as_bucket_view = property(lambda self: self.reducer.config.gradient_as_bucket_view)
+    static_graph = property(lambda self: self.reducer.config.static_graph)
+    timeout = property(lambda self: self.reducer.config.timeout)
+    # Dynamo's DDP optimizer splits compiled graphs at the cap in use ("auto" changes it while it chooses)
+    bucket_bytes_cap = property(lambda self: bucket_bytes_caps(*self.reducer.store.caps)[0])
 
-def should_sync_of(ddp: DistributedDataParallel) -> Callable[[], bool]:
-    """The reducer's ``should_sync``, holding the wrapper weakly so that it can be collected."""
-    method = weakref.WeakMethod(ddp._backward_syncs)
+    def __getstate__(self) -> dict[str, Any]:  # without the process group and reducer, as torch's
+        return torch_extras.getstate(self)
 
-    def should_sync() -> bool:
-        bound = method()
-        return bound is not None and bool(bound())
-    return should_sync
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild on the default process group: a fresh reducer, no collective."""
+        self.process_group = dist.group.WORLD
+        config = state.pop("reducer_config")
+        super().__setstate__(state)
+        self.build_reducer(config)
+
+    def _set_static_graph(self) -> None:
+        torch_extras.set_static_graph(self)
+
+    def _log_and_throw(self, err_type: type[Exception], err_msg: str) -> NoReturn:
+        raise torch_extras.log_error(self, err_type(err_msg))
+
+    def _log_error(self, exc: Exception) -> Exception:
+        return torch_extras.log_error(self, exc)
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        return torch_extras.logging_data(self)
+
+
+def _release(reducer: Reducer) -> None:  # the wrapper is gone or superseded: its parameters train locally
+    reducer.remove_hooks()
+    guard.forget(reducer)
 
 
 DDP = DistributedDataParallel

@@ -1,9 +1,10 @@
 """``gradsync.elastic``: a dead replica does not end the job; a new or restarted one joins at a window boundary.
 
-Launch with ``gradsync run`` (``tools/run.py``); the parts are in ``elastic/membership.py`` (membership),
+Launch with ``gradsync run`` (``tools/elastic/run.py``); the parts are in ``elastic/membership.py`` (membership),
 ``elastic/join.py`` (admission, state transfer) and ``elastic/data.py`` (the sampler).
 """
-from .membership import MembershipError, MembershipEvent, events, init_process_group, members, register
+from .attach import init_process_group
+from .membership import MembershipError, MembershipEvent, events, members, register
 from .data import ElasticSampler
 
 __all__ = ["ElasticSampler", "MembershipError", "MembershipEvent", "events", "init_process_group", "members",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine import protocol as core_membership
+from .. import process
 
 
 def deal(chunk: list[int], micro_batch: int, members: list[int]) -> dict[int, list[list[int]]]:
@@ -62,7 +62,7 @@ class ElasticSampler:
         return torch.randperm(self.num_samples, generator=g).tolist()
 
     def iterate(self, acc: Any) -> Iterator[list[int]]:
-        m = core_membership.current()
+        m = process.state.replica
         if m is not None:
             m.registered.setdefault("gradsync.ElasticSampler", self)  # a joiner takes the members' position
         while True:
@@ -122,7 +122,7 @@ class ElasticSampler:
 
 def _membership() -> tuple[list[int], int]:
     """The current members and this replica's id (elastic), else the ranks of the default group."""
-    m = core_membership.current()
+    m = process.state.replica
     if m is not None:
         return list(m.members), m.replica_id
     if dist.is_initialized():

@@ -21,9 +21,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine import protocol as core_membership
+from .. import process
 from ..ddp.construct import broadcast_coalesced
-from ..engine.protocol import PeerFailure
+from ..engine.errors import PeerFailure
 from .membership import P, MembershipError, MembershipEvent
 
 log = logging.getLogger("gradsync.elastic")
@@ -32,9 +32,9 @@ POLL = 0.02  # a waiting joiner looks for its admission this often
 
 def at_boundary(acc: Any) -> None:
     """Admit waiting replicas (on a member) or join (on a replica that arrived late), before a window."""
-    m = core_membership.current()
+    m = process.state.replica
     reducer = getattr(acc.model, "reducer", None)
-    if m is None or reducer is None or reducer.membership is not m:
+    if m is None or reducer is None or reducer.attached is None or reducer.attached.protocol is not m:
         return
     if m.joining:
         join(m, acc, reducer)
@@ -60,12 +60,12 @@ def admit(m: Any, acc: Any, reducer: Any) -> None:
         m.store.set(f"{P}/admitted/{r}/{s}", f"{g}:{json.dumps(ids)}:{source}")
     try:
         m.enter(g, ids)
-        reducer.regroup(dist.group.WORLD)
+        reducer.attached.regroup(dist.group.WORLD)
         sent = transfer(m, acc, reducer, source)
     except (RuntimeError, dist.DistError) as exc:  # a member or joiner died during the admission
         log.warning("gradsync.elastic: admitting %s into generation %d failed (%s); the window's synced "
                     "backward re-forms", sorted(joiners), g, exc)
-        reducer.break_group(exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc)))
+        reducer.attached.lose_group(exc if isinstance(exc, PeerFailure) else PeerFailure(str(exc)))
         return
     record(m, g, window, sorted(joiners), start, sent)
 
@@ -89,7 +89,7 @@ def join(m: Any, acc: Any, reducer: Any) -> None:
     m.joining = False
     try:
         m.enter(int(g), json.loads(ids))
-        reducer.regroup(dist.group.WORLD)
+        reducer.attached.regroup(dist.group.WORLD)
         sent = transfer(m, acc, reducer, int(source))
     except (RuntimeError, dist.DistError) as exc:
         raise MembershipError(f"gradsync: replica {m.replica_id} could not join generation {g}: {exc}") from exc
@@ -97,11 +97,10 @@ def join(m: Any, acc: Any, reducer: Any) -> None:
 
 
 def state_of(m: Any, acc: Any, reducer: Any) -> dict[str, Any]:
-    c = reducer.counters
     return {"accumulator": acc.state_dict(), "optimizers": [o.state_dict() for o in acc.wrapped_optimizers],
             "schedulers": [s.state_dict() for s in acc.wrapped_schedulers],
             "registered": {name: obj.state_dict() for name, obj in m.registered.items()},
-            "counters": (c.forward, c.backward, c.sync), "events": list(m.events), "joins_seen": m.joins_seen}
+            "counters": reducer.attached.progress(), "events": list(m.events), "joins_seen": m.joins_seen}
 
 
 def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
@@ -117,15 +116,13 @@ def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
             raise MembershipError(f"gradsync: the members registered {name!r} (gradsync.elastic.register) but this "
                                   "replica did not, before its first window")
         m.registered[name].load_state_dict(sd)
-    c = reducer.counters
-    c.forward, c.backward, c.sync = state["counters"]
-    reducer.pending_forwards = 0
+    reducer.attached.load_progress(state["counters"])
     m.events, m.joins_seen = list(state["events"]), state["joins_seen"]
 
 
 def transfer(m: Any, acc: Any, reducer: Any, source: int) -> int:
     """Send (from ``source``) or receive the state; return the bytes each receiver got."""
-    src, device = m.members.index(source), reducer.device
+    src = m.members.index(source)
     wait = lambda work: reducer.wait(work, "the state sent to a joining replica")  # noqa: E731
     if m.replica_id == source:
         buffer = io.BytesIO()

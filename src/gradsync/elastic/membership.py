@@ -1,6 +1,6 @@
 """Elastic membership: a dead replica does not end the job; the survivors re-form and finish the window.
 
-``gradsync run`` (``tools/run.py``) starts the replicas and hosts torch's ``TCPStore`` (the
+``gradsync run`` (``tools/elastic/run.py``) starts the replicas and hosts torch's ``TCPStore`` (the
 coordinator, on no replica). ``init_process_group`` forms generation 0 once every replica has
 arrived and makes it torch's default process group; a gradsync model built on it follows every
 later generation (``engine/protocol.py``). Each synced backward ends with a vote in the store: the
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,10 +25,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..engine import protocol as core_membership
+from .. import process
 from .._torch import detach_default_group, is_future
-from ..engine.control import SyncError, bounded_wait
-from ..engine.protocol import PeerFailure
+from ..engine.control import bounded_wait
+from ..engine.errors import PeerFailure, SyncError
 
 P = "gradsync"
 SLICE = 0.1  # seconds between looks at the store while a collective or a vote is not done
@@ -55,7 +53,7 @@ class MembershipEvent:
 
 
 class StoreMembership:
-    """Generations of members over a coordinator ``TCPStore`` (``core.membership.Membership``)."""
+    """Generations of members over a coordinator ``TCPStore``: a commit protocol (``engine/protocol.py``)."""
 
     def __init__(self, store: dist.Store, *, backend: str, replica_id: int, restart: int, replicas: int,
                  min_replicas: int, timeout: timedelta, machine: int = 0):
@@ -75,6 +73,7 @@ class StoreMembership:
         self.join_waits: list[float] = []  # on a joiner: seconds from asking to being admitted
         self.graveyard: list[Any] = []  # earlier groups, kept referenced (see detach_default_group)
         self._failed_at: float | None = None
+        self.window_source: Any = None  # a weak method of the accumulator: (windows started, planned), attach.py
 
     def key(self, name: str, generation: int | None = None) -> str:
         return f"{P}/gen{self.generation if generation is None else generation}/{name}"
@@ -178,7 +177,9 @@ class StoreMembership:
             if self._gone() or time.monotonic() >= deadline:
                 return self.store.compare_set(decision, "", "abort") == b"commit"
 
-    def reform(self, failure: BaseException, sync: int, window: tuple[int, int] | None) -> dist.ProcessGroup:
+    def reform(self, failure: BaseException, sync: int) -> dist.ProcessGroup:
+        source = self.window_source() if self.window_source is not None else None
+        window = source() if source is not None else None  # (windows started, micro-steps planned)
         start = self._failed_at or time.monotonic()
         if self.store.compare_set(self.key(f"decision/{sync}"), "", "abort") == b"commit":
             raise SyncError(f"gradsync: synced backward {sync} committed on every member, yet this member "
@@ -239,45 +240,10 @@ def _finished(handle: Any) -> bool:
     return handle.done() if is_future(handle) else handle.is_completed()
 
 
-_membership: StoreMembership | None = None
-
-
-def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60.0) -> None:
-    """Join the job that ``gradsync run`` launched and make its group torch's default process group.
-
-    Returns once every replica of the launch has arrived (generation 0). A gradsync model built
-    afterwards without ``process_group=`` follows every membership change. ``timeout`` bounds
-    every wait (seconds or a timedelta)."""
-    global _membership
-    if _membership is not None:
-        raise RuntimeError("gradsync: gradsync.elastic.init_process_group() was already called in this process")
-    env = os.environ
-    if "GRADSYNC_COORDINATOR" not in env:
-        raise RuntimeError("gradsync: gradsync.elastic.init_process_group() needs the replicas started by "
-                           "`gradsync run --replicas N script.py` (GRADSYNC_COORDINATOR is not set)")
-    if dist.is_initialized():
-        raise RuntimeError("gradsync: torch.distributed is already initialized; with gradsync.elastic the "
-                           "script makes no init_process_group() call of its own")
-    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    host, _, port = env["GRADSYNC_COORDINATOR"].rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    m = StoreMembership(store, backend=backend, replica_id=int(env["GRADSYNC_REPLICA_ID"]),
-                        restart=int(env.get("GRADSYNC_RESTART", "0")), replicas=int(env["GRADSYNC_REPLICAS"]),
-                        min_replicas=int(env.get("GRADSYNC_MIN_REPLICAS", "1")), timeout=timeout,
-                        machine=int(env.get("GRADSYNC_MACHINE", "0")))
-    m.form_first()
-    _membership = m
-    core_membership.install(m)
-    if not log.handlers and not logging.getLogger().handlers:  # one line per change, on stderr
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        log.addHandler(handler)
-
-
 def _current() -> StoreMembership:
-    if _membership is None:
+    if process.state.replica is None:
         raise RuntimeError("gradsync: call gradsync.elastic.init_process_group() first")
-    return _membership
+    return process.state.replica
 
 
 def membership() -> StoreMembership:
@@ -304,5 +270,5 @@ def events() -> list[MembershipEvent]:
     return list(_current().events)
 
 
-__all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "init_process_group", "members", "membership",
+__all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "members", "membership",
            "register"]

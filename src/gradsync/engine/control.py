@@ -1,42 +1,61 @@
-"""The end-of-backward control all-reduce, the checks it enables, and bounded waits.
+"""The control plane: phase headers, the end-of-backward control, carried values, and bounded waits.
 
-Every synced backward ends with one small int32 all-reduce launched after the last bucket:
-``[backward counter per rank | used count per parameter | forward counter per rank | failed flag
-per rank | compute us, wait us and local squared norm per rank (telemetry.py) | present]``.
-Each rank writes only its own counter slots, so the sum is an all-gather of the counters; the
-used counts sum each rank's "this parameter produced a gradient" flag; ``present`` sums to the
-number of ranks that took part. That one collective lets every rank notice diverging ranks, name
-parameters that some rank produced no gradient for, find parameters unused on every rank, and
-learn which ranks' backwards failed part-way (a skipped micro-step, ``engine/replay.py``).
+Gradient buckets are the data plane (``launcher.py``). What the ranks must agree on travels here.
+
+**Phase headers.** gloo pairs the k-th collective of one rank with the k-th of every other, and two
+collectives of different kinds (a buffer broadcast and a bucket all-reduce) never complete: both ranks
+would wait for the group's timeout, 30 minutes by default. So each phase (a training forward's buffer
+broadcast, a synced backward) first all-reduces a header of the same shape on every rank: one row per
+rank, ``[kind, forward count, backward count, payload...]``, each rank writing only its own row.
+Whatever phase each rank is in, the headers pair, every rank learns what the others do, and all raise
+the same diagnosis before issuing anything that could not pair. A slow rank is not an error. The
+payload carries ``PAYLOAD`` float64 values per rank at no extra collective (the accumulator's item
+count: ``carry``); their bits travel as int64, so they arrive exactly.
+
+**The control.** Each synced backward ends with one small int32 all-reduce after the last bucket:
+``[backward count per rank | used count per parameter | forward count per rank | failed flag per rank |
+compute us, wait us, local squared norm per rank | present]``. Each rank writes only its own slots, so
+the sum is an all-gather of the counters. ``verdict.py`` reads it.
+
+**Waits.** Every wait on any collective goes through ``ControlPlane.wait``, bounded by the timeout.
+When the data plane is on a device, the control traffic runs on a CPU (gloo) group of the same ranks
+(``control_group``): no header, control or carried value is read back from the device, and waits on the
+data plane's collectives are stream waits (their futures), not host waits.
 """
 from __future__ import annotations
 
 import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from . import works
-from .._torch import is_future
+from .. import process
+from .._torch import Future
+from .errors import PeerFailure, SyncError
+from .groups import control_group
 
-
-class SyncError(RuntimeError):
-    """Ranks disagreed, a rank failed, or a collective did not finish within the timeout."""
+FORWARD, BACKWARD = 1, 2  # a joined rank shadowing the others writes a row of zeros
+PAYLOAD = 4  # float64 slots per rank in a header
 
 
 def bounded_wait(handle: Any, timeout: timedelta) -> None:
     """Wait for a ``dist.Work`` or a future; raise its error, or TimeoutError after ``timeout``."""
-    works.hold(handle)  # gloo's thread must never drop its last reference (works.py)
-    if not is_future(handle):
+    process.state.last_wait = handle  # gloo's thread must never drop its last reference (process.State)
+    if not process.state.exit_hook:
+        process.install_exit_hook()
+    if not isinstance(handle, Future):
         handle.wait(timeout)
         return
     if not handle.done():
         released = threading.Event()
         signal = lambda _fut: None  # noqa: E731
-        # wake once gloo's thread has run the callback *and dropped it*, which takes the GIL (works.py)
+        # wake once gloo's thread has run the callback *and dropped it*, which takes the GIL
         weakref.finalize(signal, released.set)
         handle.add_done_callback(signal)
         del signal
@@ -45,20 +64,30 @@ def bounded_wait(handle: Any, timeout: timedelta) -> None:
     handle.wait()  # re-raises an error the future holds
 
 
+def header_tensor(rank: int, world_size: int, kind: int, forward_count: int, backward_count: int,
+                  device: torch.device | None = None, payload: Sequence[float] = ()) -> torch.Tensor:
+    """Return this rank's header; ``kind=0`` for a rank that takes part without a phase of its own."""
+    if len(payload) > PAYLOAD:
+        raise ValueError(f"gradsync: a phase header carries at most {PAYLOAD} values, got {len(payload)}")
+    header = torch.zeros(world_size, 3 + PAYLOAD, dtype=torch.int64)
+    if kind:
+        bits = torch.tensor(list(payload) + [0.0] * (PAYLOAD - len(payload)), dtype=torch.float64).view(torch.int64)
+        header[rank] = torch.cat([torch.tensor([kind, forward_count, backward_count]), bits])
+    return header.to(device) if device is not None else header
+
+
 def empty_control(world_size: int, n: int, device: torch.device | None = None) -> torch.Tensor:
-    """Return a zero control: the contribution of a rank that takes no part (e.g. a joined one)."""
+    """A zero control: the contribution of a rank that takes no part (e.g. a joined one)."""
     return torch.zeros(6 * world_size + n + 1, dtype=torch.int32, device=device)
 
 
 def control_tensor(rank: int, world_size: int, backward_count: int, forward_count: int,
                    used: Sequence[bool], device: torch.device | None = None, failed: int = 0,
-                   times_us: tuple[int, int] = (0, 0), norm2: torch.Tensor | None = None) -> torch.Tensor:
-    """Build this rank's control on ``device`` (NCCL reduces only tensors on the rank's GPU).
-
-    ``failed``: 1 when this rank's backward failed part-way and its window can be reduced again
-    without it, 2 when it cannot (it already held synced gradients of the window). ``times_us``:
-    this rank's compute and wait (``telemetry.py``); ``norm2``: its local gradient's squared norm,
-    a float32 whose bits ride in an int32 slot (the sum adds zeros to them: they arrive intact)."""
+                   times_us: tuple[float, float] = (0, 0), norm2: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's control. ``failed``: 1 when its backward failed part-way and its window can be
+    reduced again without it, 2 when it cannot (it held synced gradients of the window already).
+    ``times_us``: its compute and wait; ``norm2``: its local gradient's squared norm, a float32 whose
+    bits ride in an int32 slot (the sum adds zeros to them: they arrive intact)."""
     w, n = world_size, len(used)
     control = empty_control(w, n)
     control[rank] = backward_count
@@ -74,86 +103,216 @@ def control_tensor(rank: int, world_size: int, backward_count: int, forward_coun
     return control
 
 
-def telemetry(control: torch.Tensor, world_size: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return the reduced control's per-rank [compute us | wait us] and local squared norms (float32)."""
-    w = world_size
-    return control[3 * w + n:5 * w + n], control[5 * w + n:6 * w + n].contiguous().view(torch.float32)
+@dataclass
+class Counters:
+    """Per-rank counters every rank compares (headers, control): the reducer advances them."""
+
+    forward: int = 0  # training forwards with grad enabled: catches skipped backwards
+    backward: int = 0  # every prepared backward, synced or not
+    sync: int = 0  # synced backwards finished
+    pending: int = 0  # forwards not yet followed by a backward (not compared)
+    armed: bool = False  # the latest forward wanted its backward to synchronize
+    forward_end: float = 0.0  # when the latest forward ended: a synced backward's own work is timed from it
+
+    def note_forward(self, training: bool, sync: bool) -> None:
+        """A forward that a backward may follow; only training forwards count for the skipped-backward check."""
+        self.pending, self.forward_end, self.armed = self.pending + 1, time.perf_counter(), bool(sync)
+        self.forward += training
 
 
-def used_counts(control: torch.Tensor, world_size: int, n: int) -> list[int]:
-    """Return, per parameter, how many ranks produced a gradient for it."""
-    return control[world_size:world_size + n].tolist()
+class ControlPlane:
+    headers = True  # False only to measure what the headers cost (benchmarks)
+
+    def __init__(self, group: dist.ProcessGroup, *, rank: int, world_size: int, device: torch.device,
+                 timeout: timedelta, counters: Counters, data_device: torch.device | None = None):
+        self.group, self.rank, self.world_size = group, rank, world_size
+        self.device = device  # of the control tensors (``control_group``)
+        # off CPU a Work's bounded wait(timeout) blocks the host until the device finished it; its
+        # future orders the current stream after the collective instead (NCCL's watchdog bounds it)
+        self.stream_waits = data_device is not None and data_device.type != "cpu"
+        self.data_device = data_device or device
+        self.timeout = timeout
+        self.counters = counters
+        self.header: torch.Tensor | None = None  # the pending or latest header
+        self.kind = 0  # the pending header's phase
+        self.work: Any = None  # the pending header's collective
+        self.payload: tuple[float, ...] = ()  # to send in the next header
+        self.payloads: dict[int, tuple[float, ...]] | None = None  # the active ranks', from the latest header
+        self.active_ranks: list[int] | None = None  # inside DDP.join(): this forward's active ranks
+        self.headers_sent = 0  # phases this rank started (a skipped micro-step replays the missing ones)
+        self.sent_payload: tuple[float, ...] = ()  # carried by the latest synced backward's header
+        self.protocol: Any = None  # a commit protocol (protocol.py): waits also end when the group broke
+
+    def regroup(self, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
+        """Use (the control group for) a new data group; the next header carries the same values."""
+        self.group, self.device = control_group(group, self.data_device)
+        self.rank, self.world_size = rank, world_size
+        self.work, self.payload, self.payloads = None, self.sent_payload, None
+
+    def set_active(self, ranks: list[int] | None) -> None:
+        """Inside ``DDP.join()``: the ranks with data for this forward (None: every rank)."""
+        self.active_ranks = ranks
+
+    def active(self) -> list[int]:
+        """The ranks taking part in this phase with gradients of their own (all, outside a join)."""
+        return list(self.active_ranks) if self.active_ranks is not None else list(range(self.world_size))
+
+    # ---------------------------------------------------------------- headers
+    def carry(self, values: Sequence[float]) -> Callable[[], dict[int, tuple[float, ...]] | None]:
+        """Send ``values`` (at most ``PAYLOAD``) in the next synced backward's header; return a reader of
+        the active ranks' values, by rank (None until that header completed, or if none ran)."""
+        self.payload = tuple(float(v) for v in values)
+        return lambda: self.payloads
+
+    def launch_header(self, kind: int) -> None:
+        """Start this phase's header all-reduce; ``kind=0`` shadows as a joined rank."""
+        payload = ()
+        if kind == BACKWARD:  # carried values go with a synced backward, never a forward's broadcast
+            payload, self.payload, self.payloads = self.payload, (), None
+            self.sent_payload = payload
+        self.kind = kind
+        self.headers_sent += 1
+        if self.world_size == 1 and kind == BACKWARD and self.active_ranks is None:
+            self.payloads = {0: payload} if payload else None  # a group that shrank to one member
+        if self.world_size > 1 and self.headers:
+            c = self.counters
+            self.header = header_tensor(self.rank, self.world_size, kind, c.forward, c.backward, self.device, payload)
+            self.work = dist.all_reduce(self.header, group=self.group, async_op=True)
+
+    @property
+    def header_pending(self) -> bool:
+        return self.work is not None
+
+    def check_header(self) -> None:
+        """Wait for the pending header; raise on every rank unless all are in the same phase."""
+        work, self.work = self.work, None
+        if work is None:
+            return
+        self.wait(work, "the phase header")  # a slow rank is fine: this waits the usual bound
+        rows = self.header.cpu().tolist()
+        _check_phases([tuple(r[:3]) for r in rows], rank=self.rank, active=self.active())
+        if self.kind == BACKWARD:
+            values = self.header[:, 3:].cpu().contiguous().view(torch.float64).tolist()
+            self.payloads = {r: tuple(values[r]) for r in self.active()}
+
+    def exchange_header(self, kind: int) -> None:
+        """Run a header to completion before a phase whose first collective must pair (a broadcast)."""
+        self.launch_header(kind)
+        self.check_header()
+
+    def drop_header(self) -> None:
+        """The backward raised: its header is not waited for."""
+        self.work = None
+
+    # ---------------------------------------------------------------- control and waits
+    def launch_control(self, control: torch.Tensor) -> dist.Work:
+        """All-reduce the end-of-backward control (after the buckets' collectives)."""
+        return dist.all_reduce(control, group=self.group, async_op=True)
+
+    def exchange_control(self, used: Sequence[bool], failed: int, times_us: tuple[float, float],
+                         norm2: torch.Tensor | None) -> Verdict:
+        """All-reduce this rank's control (after its buckets), wait for it and read what it says."""
+        c = self.counters
+        sent = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed,
+                              times_us, norm2)
+        self.wait(self.launch_control(sent), "the end-of-backward check")
+        return Verdict(sent.cpu(), self.rank, self.world_size, len(used), self.active(), c.sync)
+
+    def wait(self, handle: Any, what: str) -> None:
+        """Wait for a Work or Future, bounded by the timeout, with a useful error."""
+        if self.stream_waits and not isinstance(handle, Future):
+            try:
+                handle = handle.get_future()
+            except RuntimeError:  # gloo's reduce-scatter has none: its wait is the only one
+                pass
+        try:
+            if self.protocol is not None:
+                self.protocol.wait(handle, self.timeout)
+            else:
+                bounded_wait(handle, self.timeout)
+        except Exception as exc:
+            # with a commit protocol the reducer re-forms on a PeerFailure; without, it is a SyncError
+            raise (SyncError if self.protocol is None else PeerFailure)(
+                f"gradsync: rank {self.rank} waited for {what} of synced backward {self.counters.sync} "
+                f"(backward {self.counters.backward} on this rank) and it failed or did not finish within "
+                f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died, raised, "
+                "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync."
+            ) from exc
 
 
-def failed_ranks(control: torch.Tensor, world_size: int, n: int) -> dict[int, int]:
-    """Return {rank: flag} for the ranks whose backward failed part-way and sent their buckets anyway."""
-    flags = control[2 * world_size + n:3 * world_size + n].tolist()
-    return {r: flag for r, flag in enumerate(flags) if flag}
+class Verdict:
+    """What the reduced control says; raises on every rank if the ranks were out of step."""
+
+    def __init__(self, control: torch.Tensor, rank: int, world_size: int, n: int, active: Sequence[int], sync: int):
+        w = world_size
+        self.control, self.world_size, self.n, self.active = control, w, n, list(active)
+        backward, forward = control[:w].tolist(), control[w + n:2 * w + n].tolist()
+        idle = [r for r in range(w) if r not in active]
+        if (int(control[-1]) != len(active) or any(backward[r] <= 0 for r in active)
+                or any(backward[r] or forward[r] for r in idle)):
+            raise SyncError(
+                f"gradsync: rank {rank}'s end-of-backward check of synced backward {sync} paired with a "
+                "different collective on another rank: the ranks ran different sequences of collectives (a "
+                "rank skipped a backward or a forward, ran a different number of micro-steps, or disagreed "
+                "about no_sync). No gradients were applied; the process group is out of step, restart the "
+                "job from a checkpoint.")
+        if len({backward[r] for r in active}) > 1 or len({forward[r] for r in active}) > 1:
+            detail = ", ".join(f"rank {r}: forward {forward[r]}, backward {backward[r]}" for r in active)
+            raise SyncError(
+                f"gradsync: ranks disagree about which backward synchronizes gradients ({detail}). A rank "
+                "skipped a backward (a forward without backward counts as skipped), ran a different number "
+                "of micro-steps in an accumulation window, or entered no_sync() when another did not. No "
+                "gradients were applied.")
+        self.counts: list[int] = control[w:w + n].tolist()  # per parameter: the ranks that produced a gradient
+        flags = control[2 * w + n:3 * w + n].tolist()
+        self.failed = {r: flag for r, flag in enumerate(flags) if flag}  # ranks whose backward failed part-way
+
+    def telemetry(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per rank [compute us | wait us], and local squared norms (float32)."""
+        w, n = self.world_size, self.n
+        return self.control[3 * w + n:5 * w + n], self.control[5 * w + n:6 * w + n].contiguous().view(torch.float32)
+
+    def check_missing(self, names: Sequence[str]) -> None:
+        """Raise if some rank produced no gradient for a parameter (without find_unused_parameters)."""
+        absent = [names[i] for i, c in enumerate(self.counts) if c < len(self.active)]
+        if absent:
+            shown = ", ".join(absent[:20]) + (f" and {len(absent) - 20} more" if len(absent) > 20 else "")
+            raise RuntimeError(
+                f"gradsync: {len(absent)} parameter(s) received no gradient in this backward on at least one "
+                f"rank: {shown}. If some parameters are not used in every iteration, construct "
+                "DistributedDataParallel with find_unused_parameters=True. The gradients were not "
+                "synchronized; do not step the optimizer on them.")
 
 
-def check_agreement(control: torch.Tensor, *, rank: int, world_size: int, n: int,
-                    active: Sequence[int], sync_count: int) -> None:
-    """Raise on every rank if the reduced control shows ranks out of step."""
-    w = world_size
-    backward = control[:w].tolist()
-    forward = control[w + n:2 * w + n].tolist()
-    idle = [r for r in range(w) if r not in active]
-    if (int(control[-1]) != len(active) or any(backward[r] <= 0 for r in active)
-            or any(backward[r] or forward[r] for r in idle)):
-        raise SyncError(
-            f"gradsync: rank {rank}'s end-of-backward check of synced backward {sync_count} paired "
-            "with a different collective on another rank: the ranks ran different sequences of "
-            "collectives (a rank skipped a backward or a forward, ran a different number of "
-            "micro-steps, or disagreed about no_sync). No gradients were applied; the process group "
-            "is out of step, restart the job from a checkpoint."
-        )
-    if len({backward[r] for r in active}) > 1 or len({forward[r] for r in active}) > 1:
-        detail = ", ".join(f"rank {r}: forward {forward[r]}, backward {backward[r]}" for r in active)
-        raise SyncError(
-            f"gradsync: ranks disagree about which backward synchronizes gradients ({detail}). "
-            "A rank skipped a backward (a forward without backward counts as skipped), ran a "
-            "different number of micro-steps in an accumulation window, or entered no_sync() "
-            "when another did not. No gradients were applied."
-        )
+def _describe(row: Sequence[int]) -> str:
+    kind, forward, backward = row
+    if kind == FORWARD:
+        return f"started forward {forward + 1} (after backward {backward})"
+    if kind == BACKWARD:
+        return f"is finishing backward {backward} (after forward {forward})"
+    return f"sent an unknown header {list(row)}"
 
 
-def check_missing(counts: Sequence[int], names: Sequence[str], expected: int) -> None:
-    """Raise if some rank produced no gradient for a parameter (without find_unused_parameters)."""
-    absent = [names[i] for i, c in enumerate(counts) if c < expected]
-    if absent:
-        shown = ", ".join(absent[:20]) + (f" and {len(absent) - 20} more" if len(absent) > 20 else "")
-        raise RuntimeError(
-            f"gradsync: {len(absent)} parameter(s) received no gradient in this backward on at least "
-            f"one rank: {shown}. If some parameters are not used in every iteration, construct "
-            "DistributedDataParallel with find_unused_parameters=True. The gradients were not "
-            "synchronized; do not step the optimizer on them."
-        )
-
-
-def check_finite(results: Sequence[torch.Tensor], members: Sequence[Sequence[int]],
-                 params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
-    """Raise naming the parameters whose reduced gradient holds NaN or inf (one check per bucket)."""
-    if bool(torch.stack([torch.isfinite(r).all() for r in results]).all()):
+def _check_phases(rows: list[tuple[int, int, int]], *, rank: int, active: Sequence[int]) -> None:
+    """Raise on every rank unless the active ranks are in the same phase and no other rank is."""
+    idle = [r for r in range(len(rows)) if r not in active]
+    if len({rows[r] for r in active}) == 1 and rows[active[0]][0] in (FORWARD, BACKWARD) \
+            and not any(any(rows[r]) for r in idle):
         return
-    bad = [names[i] for result, idx in zip(results, members)
-           for i, part in zip(idx, result.reshape(-1).split([params[i].numel() for i in idx]))
-           if not bool(torch.isfinite(part).all())]
-    raise FloatingPointError(
-        f"gradsync: the synchronized gradient of {len(bad)} parameter(s) contains NaN or inf: "
-        f"{', '.join(bad[:20])}{' ...' if len(bad) > 20 else ''} (on at least one rank the local "
-        "gradient was not finite). The gradients were not written back; skip this step "
-        "(optimizer.zero_grad()) or lower the learning rate / use loss scaling."
-    )
+    if any(any(rows[r]) for r in idle) or any(rows[r][0] not in (FORWARD, BACKWARD) for r in active):
+        raise SyncError(
+            f"gradsync: rank {rank}'s phase header paired with a different collective on another "
+            f"rank (headers {[list(r) for r in rows]}, active ranks {list(active)}): the ranks ran "
+            "different sequences of collectives, e.g. one is in model.join() or in a collective of "
+            "its own. The process group is out of step; restart the job from a checkpoint.")
+    detail = ", ".join(f"rank {r} {_describe(rows[r])}" for r in active)
+    raise SyncError(
+        f"gradsync: the ranks are out of step: {detail}. A rank skipped a backward (a training "
+        "forward with gradients enabled counts as one that needs a backward), skipped a "
+        "micro-step, ran a different number of micro-steps in an accumulation window, or entered "
+        "no_sync() when another did not. Detected on every rank before any gradient was applied; "
+        "the process group is out of step, restart the job from a checkpoint.")
 
 
-def check_grad(grad: torch.Tensor, view: torch.Tensor, name: str) -> None:
-    """Raise unless ``grad`` can be copied into its bucket slot ``view`` without conversion."""
-    if grad.layout != torch.strided:
-        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.layout} gradient; only dense "
-                           "gradients are supported (e.g. nn.Embedding(sparse=False))")
-    if grad.dtype != view.dtype:
-        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.dtype} gradient, but it and its "
-                           f"bucket are {view.dtype}; assign gradients of the parameter's dtype")
-    if grad.shape != view.shape:
-        raise RuntimeError(f"gradsync: parameter '{name}' has a gradient of shape {tuple(grad.shape)}, "
-                           f"expected {tuple(view.shape)}")
+__all__ = ["BACKWARD", "FORWARD", "PAYLOAD", "ControlPlane", "Counters", "Verdict", "bounded_wait",
+           "control_tensor", "empty_control", "header_tensor"]

@@ -2,20 +2,88 @@
 
 The reducer decides *when* (buckets launch strictly in index order on every rank, so collectives
 pair up across ranks even when gradients become ready in different orders); the launcher decides
-*how*. ``ShardedLauncher`` (``sharded/launcher.py``) reduce-scatters instead.
+*how*. ``ShardedLauncher`` (``sharded/launcher.py``) reduce-scatters instead. A comm hook has torch's
+signature, ``hook(state, bucket) -> torch.futures.Future[Tensor]``, and receives a ``GradBucket`` that
+answers the methods of ``torch.distributed.GradBucket``, so torch's own hooks run unchanged; the
+catalogue is ``gradsync.hooks``, which the engine never imports.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from .._torch import is_future
-from .comm import CommHook, GradBucket, issues_one_collective
-from .plane import ControlPlane
+from .. import process
+from .._torch import Future
+from .control import ControlPlane
 from .store import Bucket
+
+CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+
+
+class GradBucket:
+    """One flat bucket of gradients, as handed to a communication hook."""
+
+    __slots__ = ("_index", "_buffer", "_gradients", "_parameters", "_is_last")
+
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
+                 parameters: list[torch.Tensor], is_last: bool):
+        self._index = index
+        self._buffer = buffer
+        self._gradients = gradients
+        self._parameters = parameters
+        self._is_last = is_last
+
+    def index(self) -> int:
+        """Return the bucket's position in launch order (0 is launched first)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """Return the flat tensor holding this bucket's gradients."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Return each parameter's gradient as a view into ``buffer()``."""
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        """Return the parameters, in the same order as ``gradients()``."""
+        return self._parameters
+
+    def is_last(self) -> bool:
+        """Return True for the last bucket launched in an iteration."""
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the bucket's contents with ``tensor`` (same number of elements)."""
+        if tensor.numel() != self._buffer.numel():
+            raise ValueError(
+                f"set_buffer on bucket {self._index}: expected {self._buffer.numel()} elements, "
+                f"got {tensor.numel()}"
+            )
+        self._buffer.copy_(tensor.reshape(self._buffer.shape))
+
+
+def one_collective(hook: CommHook, world_sizes: tuple[int, ...] | None = None) -> CommHook:
+    """Declare that ``hook`` issues one collective and none from its future's callbacks (on any world
+    size, or on ``world_sizes``): the reducer then launches the next bucket without waiting for it."""
+    process.state.one_collective_hooks[hook] = world_sizes
+    return hook
+
+
+def issues_one_collective(hook: CommHook, world_size: int | None = None) -> bool:
+    """Whether ``hook`` is declared to issue one collective (``one_collective``). Other hooks (e.g.
+    torch's ``powerSGD_hook``) may start collectives from a callback on gloo's thread when an earlier
+    one completes; the reducer then issues nothing else until that bucket's future is done, so every
+    rank issues collectives in the same order."""
+    hook = getattr(hook, "func", hook)  # functools.partial
+    if hook not in process.state.one_collective_hooks:
+        return False
+    sizes = process.state.one_collective_hooks[hook]
+    return sizes is None or world_size in sizes
 
 
 class BucketLauncher:
@@ -43,7 +111,7 @@ class BucketLauncher:
         bucket.handle = self.issue(bucket.index, bucket.buffer, bucket.views, bucket.members, previous,
                                    bucket.index == len(buckets) - 1)
         if traced:
-            fut = bucket.handle if is_future(bucket.handle) else bucket.handle.get_future()
+            fut = bucket.handle if isinstance(bucket.handle, Future) else bucket.handle.get_future()
             times = bucket.times
             fut.add_done_callback(lambda _f: times.__setitem__("done", time.perf_counter()))
 
@@ -52,7 +120,7 @@ class BucketLauncher:
         """Start bucket ``index``'s collective: the default all-reduce, or the comm hook's future.
 
         ``previous`` is the handle of bucket ``index - 1``; a hook not known to issue a single
-        collective waits for it first (see ``comm.issues_one_collective``).
+        collective waits for it first (see ``issues_one_collective``).
         """
         if self.hook is None:
             return dist.all_reduce(buffer, group=self.group, async_op=True)
@@ -61,7 +129,7 @@ class BucketLauncher:
         if buffer.is_complex():  # as torch's reducer: hooks see the real view (a cast would drop imaginary parts)
             buffer, views = torch.view_as_real(buffer).view(-1), [torch.view_as_real(v) for v in views]
         handle = self.hook(self.state, GradBucket(index, buffer, views, [self.params[i] for i in members], is_last))
-        if not is_future(handle):
+        if not isinstance(handle, Future):
             raise TypeError(
                 f"gradsync: the communication hook returned {type(handle).__name__} for bucket {index}; "
                 "it must return a torch.futures.Future of the reduced tensor"
@@ -80,7 +148,7 @@ class BucketLauncher:
         """Wait for ``bucket``'s collective; return the reduced tensor (checked against the bucket)."""
         handle = bucket.handle
         self.plane.wait(handle, f"bucket {bucket.index}")
-        if not is_future(handle):
+        if not isinstance(handle, Future):
             return bucket.buffer
         result = handle.value()
         if isinstance(result, (list, tuple)) and len(result) == 1:
@@ -107,4 +175,4 @@ class BucketLauncher:
         """The last backward raised before its end."""
 
 
-__all__ = ["BucketLauncher"]
+__all__ = ["BucketLauncher", "CommHook", "GradBucket", "issues_one_collective", "one_collective"]

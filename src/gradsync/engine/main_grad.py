@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .._torch import version
-from .control import check_grad
+from .store import check_grad
 
 
 class MainGrads:
@@ -31,13 +31,13 @@ class MainGrads:
         self.fresh = [True] * n  # the next gradient starts a new window (replaces the slot)
         self._written: list[tuple[weakref.ref, int] | None] = [None] * n
         me = weakref.ref(self)
-        self._handles = [p.register_hook(_pre_hook(me, i)) for i, p in enumerate(params)]
+        self.handles = [p.register_hook(_pre_hook(me, i)) for i, p in enumerate(params)]
 
     def release(self) -> None:
         """The wrapper is gone: gradients stay in ``.grad`` from now on."""
-        for h in self._handles:
+        for h in self.handles:
             h.remove()
-        self._handles = []
+        self.handles = []
 
     def forget_window(self) -> None:
         """Every slot starts a new window at its next gradient (the window's sums are dropped)."""
@@ -103,7 +103,7 @@ class MainGrads:
 def _pre_hook(main: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
     def hook(grad: torch.Tensor) -> None:
         me = main()
-        if me is not None and me._handles:
+        if me is not None and me.handles:
             me.add(i, grad)
     return hook
 

@@ -49,3 +49,9 @@ def ready_twice(name: str) -> str:
             "part in the backward more than once (e.g. reentrant activation checkpointing, or a "
             "module reused across a nested backward). Pass static_graph=True if the graph is the "
             "same every iteration, or use torch.utils.checkpoint(..., use_reentrant=False).")
+
+
+RESCALE_AFTER_OVERLAP = (
+    "gradsync: gradients must be rescaled after the synced backward (GradientAccumulator with num_items, or a "
+    "window that ended early), but overlap_optimizer already stepped on them inside that backward. Use mean "
+    "losses over full windows, or remove overlap_optimizer.")

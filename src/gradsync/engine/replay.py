@@ -4,7 +4,7 @@
 rank (``accumulate/skips.py``). gloo pairs the k-th collective of every rank, and every header compares
 the ranks' forward and backward counters, so the skipping rank replays what it missed, in order:
 the phase header and buffer broadcast of a training forward, and, where the micro-step syncs, a
-synced backward that reduces this rank's window so far (``Reducer.sync_without_backward``). Its
+synced backward that reduces this rank's window so far (``sync_without_backward``). Its
 counters then equal the others'. A backward that failed part-way without syncing has already added
 part of its gradient: the rank drops its local window (every gradient since the last sync), so
 nothing partial leaks into the reduction. A backward that failed part-way while syncing has
@@ -19,8 +19,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .control import SyncError
-from .header import FORWARD
+from .control import FORWARD
+from .errors import SyncError
+from .iteration import IterationState
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Mark:
 
 def mark(ddp: Any) -> Mark:
     r = ddp.reducer
-    return Mark(r.counters.forward, r.counters.backward, r.pending_forwards, r.plane.headers_sent)
+    return Mark(r.counters.forward, r.counters.backward, r.counters.pending, r.plane.headers_sent)
 
 
 def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
@@ -53,9 +54,9 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
     c = r.counters
     if r.it.in_backward:  # the backward began: some gradients of this micro-step may be in .grad
         if r.it.syncing:
-            r.fail_sync(again)  # every rank reduces again without this rank's window, or raises
+            r.finish_grad_sync(failed=1 if again else 2)  # every rank reduces again without this window, or raises
             return "resynced"
-        r.drop_window()
+        drop_window(r)
         return "dropped"
     if (c.forward == start.forward and r.plane.headers_sent == start.headers and ddp.will_broadcast_buffers()
             and next(ddp.module.buffers(), None) is not None):
@@ -63,12 +64,40 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
         ddp.broadcast_buffers_from(0)
     if c.forward == start.forward:
         c.forward += int(ddp.module.training)  # as the others' training forward counted
-    r.pending_forwards = min(r.pending_forwards, start.pending)  # a forward without its backward
+    c.pending = min(c.pending, start.pending)  # a forward without its backward
     if c.backward == start.backward:
         c.backward += 1
     if sync:
-        r.sync_without_backward()
+        sync_without_backward(r)
     return "replayed"
+
+
+def advance(ddp: Any, micro_steps: int) -> None:
+    """Count ``micro_steps`` this rank does not run in a window where the others run more."""
+    if ddp.will_broadcast_buffers() and next(ddp.module.buffers(), None) is not None:
+        raise ValueError("gradsync: ranks with different numbers of micro-steps in a window cannot broadcast "
+                         "buffers at every forward (each forward would pair with a different collective); "
+                         "construct the model with broadcast_buffers=False, or give every rank the same count")
+    c = ddp.reducer.counters
+    c.forward, c.backward = c.forward + micro_steps * int(ddp.module.training), c.backward + micro_steps
+
+
+def drop_window(r: Any) -> None:
+    """Forget this rank's local gradients since the last synced backward (a failed backward's partial
+    gradients among them): the next synced backward reduces nothing of them."""
+    r.reset_iteration()
+    r.store.drop_local()
+    r.window_used = [False] * len(r.params)
+
+
+def sync_without_backward(r: Any) -> None:
+    """Take part in the others' synced backward with this rank's window so far, as if its own backward
+    produced no new gradient."""
+    r.it = it = IterationState(in_backward=True)
+    unused = set(r.start_sync(it))
+    for i in range(len(r.params)):
+        r.register_grad_ready(i, from_hook=i not in unused)
+    r.finish_grad_sync()
 
 
 def reduce_again_without(r: Any, flags: dict[int, int]) -> list[Any]:
@@ -100,4 +129,4 @@ def reduce_again_without(r: Any, flags: dict[int, int]) -> list[Any]:
     return [launcher.result(b) for b in store.buckets]
 
 
-__all__ = ["Mark", "mark", "reduce_again_without", "stand_in"]
+__all__ = ["Mark", "advance", "drop_window", "mark", "reduce_again_without", "stand_in", "sync_without_backward"]

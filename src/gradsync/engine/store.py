@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .buckets import plan_buckets
+from .layout import plan_buckets
 from .config import Caps
 from .._torch import foreach_copy_, foreach_div_
-from .control import check_grad
-from .main_grad import MainGrads
 
 
 @dataclass
@@ -56,6 +55,34 @@ def warn_create_graph() -> None:
         "the gradients stay rank-local.", stacklevel=4)
 
 
+def check_grad(grad: torch.Tensor, view: torch.Tensor, name: str) -> None:
+    """Raise unless ``grad`` can be copied into its bucket slot ``view`` without conversion."""
+    if grad.layout != torch.strided:
+        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.layout} gradient; only dense "
+                           "gradients are supported (e.g. nn.Embedding(sparse=False))")
+    if grad.dtype != view.dtype:
+        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.dtype} gradient, but it and its "
+                           f"bucket are {view.dtype}; assign gradients of the parameter's dtype")
+    if grad.shape != view.shape:
+        raise RuntimeError(f"gradsync: parameter '{name}' has a gradient of shape {tuple(grad.shape)}, "
+                           f"expected {tuple(view.shape)}")
+
+
+def check_finite(results: Sequence[torch.Tensor], members: Sequence[Sequence[int]],
+                 params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
+    """Raise naming the parameters whose reduced gradient holds NaN or inf (one check per bucket)."""
+    if bool(torch.stack([torch.isfinite(r).all() for r in results]).all()):
+        return
+    bad = [names[i] for result, idx in zip(results, members)
+           for i, part in zip(idx, result.reshape(-1).split([params[i].numel() for i in idx]))
+           if not bool(torch.isfinite(part).all())]
+    raise FloatingPointError(
+        f"gradsync: the synchronized gradient of {len(bad)} parameter(s) contains NaN or inf: "
+        f"{', '.join(bad[:20])}{' ...' if len(bad) > 20 else ''} (on at least one rank the local gradient "
+        "was not finite). The gradients were not written back; skip this step (optimizer.zero_grad()) or "
+        "lower the learning rate / use loss scaling.")
+
+
 class BucketStore:
     """Gradient buckets of full size, one per group of parameters, averaged by an all-reduce."""
 
@@ -80,6 +107,7 @@ class BucketStore:
         self._build(plan_buckets(params, *caps))
         self.main = None
         if reduce_dtype is not None:
+            from .main_grad import MainGrads  # here: it imports this module's check_grad
             self.main = MainGrads(params, names, self.slot, world_size=world_size, grad_is_slot=gradient_as_bucket_view)
             self.main.link(self.views, None)
 
@@ -252,11 +280,36 @@ class BucketStore:
         return grads
 
     # ---------------------------------------------------------------- the reducer's phases
+    def begin_sync(self) -> None:
+        """A synced backward starts: every bucket waits for all its members again."""
+        for b in self.buckets:
+            b.pending, b.handle, b.copied = len(b.members), None, 0
+
+    def copy_in_all(self, divide: bool) -> None:
+        """Copy every gradient into its slot at once (``static_graph``'s first synced backward)."""
+        for i in range(len(self.params)):
+            self.copy_in(i, divide)
+        for b in self.buckets:
+            b.pending = 0
+
+    def write_back_as_reduced(self, launcher: Any, world_size: int, check: Any, done: Any) -> None:
+        """Write each bucket back as soon as it is reduced and call ``done(members)`` (overlap_optimizer);
+        the control's checks come after: a failing one raises on every rank, these buckets already stepped."""
+        everyone = [world_size] * len(self.params)  # find_unused_parameters is refused there
+        for b in self.buckets:
+            result = launcher.result(b)
+            if check is not None:
+                check([result], [b.members])
+            self.write_back(b, result, everyone)
+            done(b.members)
+
     def begin_backward(self, syncing: bool) -> None:
         """A backward starts (full-size buckets need nothing)."""
 
-    def end_sync(self) -> None:
-        """A synced backward's checks passed and every bucket was written back."""
+    def end_sync(self, results: list[Any] | None, counts: list[int]) -> None:
+        """The synced backward's checks passed: write every bucket's average back."""
+        for bucket, result in zip(self.buckets, results or ()):
+            self.write_back(bucket, result, counts)
 
     def reset(self) -> None:
         """The last backward raised before its end: drop what it left in flight."""
@@ -272,4 +325,4 @@ class BucketStore:
         """Only for ``exclusive`` stores: raise for an optimizer that must not step these parameters."""
 
 
-__all__ = ["Bucket", "BucketStore", "is_view_of"]
+__all__ = ["Bucket", "BucketStore", "check_finite", "check_grad", "is_view_of"]

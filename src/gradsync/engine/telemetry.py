@@ -9,17 +9,15 @@ asked (``GradientAccumulator(noise_scale=True)``), into its own slots of the end
 """
 from __future__ import annotations
 
-import json
 import logging
 import statistics
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from .control import telemetry as control_slots
 
 log = logging.getLogger("gradsync")
 
@@ -93,18 +91,35 @@ class Stragglers:
         return None
 
 
+def add_norm2(total: Any, buffer: torch.Tensor) -> torch.Tensor:
+    """Add a bucket's squared norm to ``total``: one pass over the bucket, no temporary."""
+    part = torch.linalg.vector_norm(buffer.detach(), dtype=torch.float32).square()
+    return part if total is None else total + part
+
+
 def local_norm2(reducer: Any) -> torch.Tensor:
     """The reducer's window gradient's squared norm, from what its buckets received (undone /W)."""
     total = reducer.it.norm2 if reducer.it.norm2 is not None else torch.zeros((), device=reducer.device)
     return total * reducer.world_size ** 2 if reducer.launcher.divides_on_copy else total
 
 
-def record_report(reducer: Any, control: torch.Tensor, active: list[int]) -> None:
-    """Read the reduced control's telemetry into ``reducer.last_report``; watch for a straggler."""
-    values, norms = control_slots(control, reducer.world_size, len(reducer.params))
-    reducer.last_report = read_report(values, norms, active, reducer.counters.sync, reducer.measure_norm)
-    if reducer.stragglers is not None:
-        reducer.stragglers.observe(reducer.last_report)
+def record_report(verdict: Any, sync: int, measured: bool, stragglers: Stragglers | None) -> SyncReport:
+    """Read the reduced control's telemetry (``control.Verdict``) into a report; watch for a straggler."""
+    values, norms = verdict.telemetry()
+    report = read_report(values, norms, verdict.active, sync, measured)
+    if stragglers is not None:
+        stragglers.observe(report)
+    return report
+
+
+def record_trace(trace: list[dict], record: dict, report: SyncReport | None, store: Any) -> None:
+    """Close a synced backward's comm trace record and append it to ``trace``."""
+    record["backward_end"] = time.perf_counter()
+    if report is not None:  # every rank's own work and waits (export_trace draws them)
+        record["ranks"] = {r: (v.compute_ms, v.wait_ms) for r, v in report.ranks.items()}
+    for b in store.buckets:
+        record["buckets"].append({"index": b.index, "bytes": store.nbytes(b), **b.times})
+    trace.append(record)
 
 
 def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
@@ -139,30 +154,4 @@ def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-class ReportMethods:
-    """The wrapper's methods over the reducer's report and trace (a mixin of ``DistributedDataParallel``)."""
-
-    def export_trace(self, path: str) -> None:
-        """Write every rank's comm trace (``enable_comm_trace()``) to ``path`` as one Chrome trace /
-        Perfetto JSON (``engine/telemetry.py``). A collective: call it on every rank; rank 0 writes."""
-        if self.reducer.trace is None:
-            raise RuntimeError("gradsync: export_trace() draws the comm trace: call model.enable_comm_trace() "
-                               "before the synced backwards you want to see")
-        everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, self.reducer.trace, group=self.process_group)
-        if dist.get_rank(self.process_group) == 0:
-            with open(path, "w") as f:
-                json.dump(chrome_trace(everyone), f)
-
-    def measure_local_norms(self) -> None:
-        """From now on each synced backward's report carries every rank's local squared gradient norm."""
-        self.reducer.measure_norm = True
-
-    def sync_report(self) -> Any:
-        """The latest synced backward as every rank saw it (``engine/telemetry.py``): ``ranks[r].compute_ms``
-        (rank r's own backward), ``ranks[r].wait_ms`` (its waits on the others), ``slowest``; the same
-        on every rank; None before the first synced backward."""
-        return self.reducer.last_report
-
-
-__all__ = ["ReportMethods", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "read_report", "record_report"]
+__all__ = ["add_norm2", "record_trace", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "read_report", "record_report"]

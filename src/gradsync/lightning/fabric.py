@@ -5,7 +5,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.strategies import DDPStrategy
-from lightning.fabric.strategies.registry import _StrategyRegistry
+from ._lightning import StrategyRegistry
 
 from .. import DistributedDataParallel, ShardedDataParallel
 from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer, take_options, wrap)
@@ -74,6 +74,6 @@ class GradsyncFabricStrategy(DDPStrategy):
         super().load_module_state_dict(module=module, state_dict=state_dict, strict=strict)
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         """Register ``"gradsync"`` and ``"gradsync_sharded"`` (and nothing of DDPStrategy's)."""
         register_names(strategy_registry, cls)

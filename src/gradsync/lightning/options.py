@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
-from lightning.fabric.strategies.strategy import _BackwardSyncControl
+from ._lightning import BackwardSyncControl
 
 from .. import DistributedDataParallel, ShardedDataParallel, ShardedOptimizer
 from ..engine.config import resolve_reduce_dtype
@@ -83,7 +83,7 @@ def wrap(module: torch.nn.Module, sharded: bool, device_ids: list[int] | None,
     return cls(module, device_ids=device_ids, **options)
 
 
-class GradsyncBackwardSyncControl(_BackwardSyncControl):
+class GradsyncBackwardSyncControl(BackwardSyncControl):
     """``no_backward_sync`` through gradsync's ``no_sync()`` (read at the backward, too)."""
 
     def no_backward_sync(self, module: torch.nn.Module, enabled: bool) -> AbstractContextManager:

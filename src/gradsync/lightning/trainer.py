@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from lightning.fabric.strategies.registry import _StrategyRegistry
+from ._lightning import StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
 from .. import DistributedDataParallel
@@ -95,6 +95,6 @@ class GradsyncStrategy(DDPStrategy):
         super().teardown()
 
     @classmethod
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:
         """Register ``"gradsync"`` and ``"gradsync_sharded"`` (and nothing of DDPStrategy's)."""
         register_names(strategy_registry, cls)

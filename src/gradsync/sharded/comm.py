@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.comm import exchanges, reduce_scatter, start_all_gather
+from ..engine.collectives import exchanges, reduce_scatter, start_all_gather
 from ..engine.pool import BufferPool
 
 __all__ = ["BufferPool", "exchanges", "fold", "start_all_gather", "start_reduce_scatter"]

@@ -12,7 +12,7 @@ from collections import deque
 
 import torch.distributed as dist
 
-from ..engine.plane import ControlPlane
+from ..engine.control import ControlPlane
 from .comm import exchanges, start_reduce_scatter
 from .store import ShardedBucket, ShardedBucketStore
 

@@ -13,12 +13,13 @@ reduce-scattered once, at the next synced backward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ..engine.config import Caps
-from ..engine.control import check_grad
-from ..engine.buckets import plan_buckets
+from ..engine.store import check_grad
+from ..engine.layout import plan_buckets
 from ..engine.main_grad import MainGrads
 from ..engine.store import Bucket
 from .comm import BufferPool, fold
@@ -192,7 +193,19 @@ class ShardedBucketStore:
         if syncing:
             self.partial = True  # until this backward's end-of-backward check passes
 
-    def end_sync(self) -> None:
+    def begin_sync(self) -> None:
+        for b in self.buckets:
+            b.pending, b.handle, b.copied = len(b.members), None, 0
+
+    def copy_in_all(self, divide: bool) -> None:
+        for i in range(len(self.params)):
+            self.copy_in(i, divide)
+        for b in self.buckets:
+            b.pending = 0
+
+    def end_sync(self, results: list[Any] | None, counts: list[int]) -> None:
+        for bucket, result in zip(self.buckets, results or ()):
+            self.write_back(bucket, result, counts)
         self.partial = self._partial_before  # only zero_grad() clears an earlier failure
 
     def reset(self) -> None:

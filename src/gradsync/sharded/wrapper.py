@@ -14,7 +14,7 @@ import torch
 
 from .. import process
 from .._torch import dynamo_frame_callback_set
-from ..ddp.wrapper import DistributedDataParallel, should_sync_of
+from ..ddp.wrapper import DistributedDataParallel
 from .prefetch import compiling
 from ..engine.config import ReducerConfig
 from ..engine.reducer import Reducer
@@ -64,7 +64,7 @@ class ShardedDataParallel(DistributedDataParallel):
         rank, world_size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
         store = ShardedBucketStore(params, names, rank=rank, world_size=world_size, caps=config.caps,
                                    reduce_dtype=config.reduce_dtype, pool_size=2 * self._max_inflight + 2)
-        reducer = Reducer(params, names, group, config, should_sync=should_sync_of(self), store=store,
+        reducer = Reducer(params, names, group, config, switch=self, store=store,
                           launcher=lambda plane: ShardedLauncher(group, plane, store, max_inflight=self._max_inflight,
                                                                  staging_budget_bytes=self._staging_budget_bytes))
         claim_for_sharded(reducer)

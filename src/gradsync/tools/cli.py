@@ -6,7 +6,7 @@ import sys
 COMMANDS = {
     "demo": ("gradsync.tools.demo", "train a small model on local ranks and check it against one process"),
     "bench": ("gradsync.tools.bench.run", "benchmark against torch's DDP; write tables and plots to benchmarks/results"),
-    "run": ("gradsync.tools.run", "run a script as elastic replicas that survive a dead replica"),
+    "run": ("gradsync.tools.elastic.run", "run a script as elastic replicas that survive a dead replica"),
 }
 
 

@@ -238,7 +238,7 @@ def parse_args(argv=None):
     p.add_argument("--backend", default="gloo", choices=["gloo", "nccl"])
     p.add_argument("--local", action="store_true", help="fork --nproc local gloo ranks")
     p.add_argument("--elastic", action="store_true", help="3 replicas under `gradsync run`; one is SIGKILLed "
-                   "mid-run and rejoins (demo_elastic.py)")
+                   "mid-run and rejoins (tools/elastic/demo.py)")
     args = p.parse_args(argv)
     if args.nproc < 1 or args.accum < 1 or args.epochs < 1:
         p.error("--nproc, --accum and --epochs must be at least 1")
@@ -259,7 +259,7 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     if args.elastic:
-        from .demo_elastic import main as elastic_demo
+        from .elastic.demo import main as elastic_demo
         elastic_demo(args.out)
         return
     if args.local or "RANK" not in os.environ:

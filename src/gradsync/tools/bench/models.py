@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
+from gradsync._torch import foreach_div_
 
 
 # ---------------------------------------------------------------- models
@@ -216,7 +217,7 @@ class NaiveEngine(Engine):
                 for w in works:
                     w.wait()
             with probe("division"):
-                torch._foreach_div_(grads, dist.get_world_size())
+                foreach_div_(grads, dist.get_world_size())
 
 
 class ShardedEngine(Engine):

@@ -1,0 +1,123 @@
+"""Where elastic membership attaches: the wrapper, the accumulator, and the window boundary.
+
+A model built on the default process group after ``init_process_group`` attaches the membership to its
+reducer as its commit protocol (``engine/protocol.py``): the reducer writes a reduction back only once
+every member voted that it holds it, and re-forms with the survivors otherwise. An accumulator names
+the window a membership event happened in; between windows it admits replicas waiting to join
+(``join.py``). The engine and the accumulator know none of this: they announce themselves
+(``process.announce``) and this module listens.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import logging
+import os
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from .. import process
+from ..engine.protocol import attach
+from .join import at_boundary
+from .membership import StoreMembership, log
+
+
+def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60.0) -> None:
+    """Join the job that ``gradsync run`` launched and make its group torch's default process group.
+
+    Returns once every replica of the launch has arrived (generation 0). A gradsync model built
+    afterwards without ``process_group=`` follows every membership change. ``timeout`` bounds
+    every wait (seconds or a timedelta)."""
+    if process.state.replica is not None:
+        raise RuntimeError("gradsync: gradsync.elastic.init_process_group() was already called in this process")
+    env = os.environ
+    if "GRADSYNC_COORDINATOR" not in env:
+        raise RuntimeError("gradsync: gradsync.elastic.init_process_group() needs the replicas started by "
+                           "`gradsync run --replicas N script.py` (GRADSYNC_COORDINATOR is not set)")
+    if dist.is_initialized():
+        raise RuntimeError("gradsync: torch.distributed is already initialized; with gradsync.elastic the "
+                           "script makes no init_process_group() call of its own")
+    timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
+    host, _, port = env["GRADSYNC_COORDINATOR"].rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    m = StoreMembership(store, backend=backend, replica_id=int(env["GRADSYNC_REPLICA_ID"]),
+                        restart=int(env.get("GRADSYNC_RESTART", "0")), replicas=int(env["GRADSYNC_REPLICAS"]),
+                        min_replicas=int(env.get("GRADSYNC_MIN_REPLICAS", "1")), timeout=timeout,
+                        machine=int(env.get("GRADSYNC_MACHINE", "0")))
+    m.form_first()
+    install(m)
+    if not log.handlers and not logging.getLogger().handlers:  # one line per change, on stderr
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+
+
+def refusals(config: Any, *, delayed: bool) -> list[str]:
+    """What elastic membership cannot recover exactly with this configuration."""
+    found = [
+        ("gradient_as_bucket_view=True", config.gradient_as_bucket_view),  # .grad is the bucket a failure half-reduced
+        ("reduce_dtype", config.reduce_dtype is not None),  # the window lives in the buckets
+        ("ShardedDataParallel", config.sharded),
+        ("static_graph=True", config.static_graph),
+        ('bucket_cap_mb="auto"', config.auto_bucket_cap),  # its choice is broadcast after a synced backward
+        ("delay_all_reduce_named_params", delayed),
+    ]
+    return [name for name, present in found if present]
+
+
+def install(replica: Any) -> None:
+    """Models built on the default process group from now on follow ``replica``'s generations."""
+    process.state.replica = replica
+    process.listen("wrapper", on_wrapper)
+    process.listen("accumulator", on_accumulator)
+    process.listen("window", on_window)
+
+
+def on_wrapper(ddp: Any, default_group: bool) -> None:
+    """Make ``ddp`` (a gradsync wrapper) follow the replica's generations if it is on the default group."""
+    replica = process.state.replica
+    if replica is None or not default_group:
+        return
+    if ddp.skip_all_reduce_unused_params:  # a replica that joins has not seen which buckets the others skip
+        raise ValueError("gradsync: skip_all_reduce_unused_params=True is not supported with "
+                         "gradsync.elastic membership; leave it False")
+    problems = refusals(ddp.reducer.config, delayed=ddp.delayed is not None)
+    if problems:
+        raise ValueError(
+            f"gradsync: elastic membership cannot recover a model built with {', '.join(problems)}: a "
+            "member's window must stay apart from the buckets a failed reduction touched. Build the model "
+            "without it, or pass process_group= explicitly to opt out of elastic membership.")
+    wrapper = weakref.ref(ddp)
+
+    def follow_group(group: Any) -> None:
+        if wrapper() is not None:
+            wrapper().follow_group(group)
+    attach(ddp.reducer, replica, follow_group)
+
+
+def followed(model: Any) -> bool:
+    """Whether ``model``'s reducer has the replica's membership attached."""
+    attached = getattr(getattr(model, "reducer", None), "attached", None)
+    return attached is not None and attached.protocol is process.state.replica
+
+
+def on_accumulator(acc: Any) -> None:
+    if process.state.replica is None or not followed(acc.model):
+        return
+    if acc.sync_each_batch:
+        raise ValueError("gradsync: sync_each_batch=True with elastic membership: a replica that dies mid-window "
+                         "leaves its synced micro-steps in the survivors' gradients, so the window could not be "
+                         "the exact mean over what the survivors kept. Use sync_each_batch=False")
+    process.state.replica.window_source = weakref.WeakMethod(acc.window_position)  # names events' windows
+
+
+def on_window(acc: Any) -> None:
+    """Between windows: admit replicas waiting to join, or join if this replica arrived late."""
+    if process.state.replica is not None and followed(acc.model):
+        at_boundary(acc)
+
+
+__all__ = ["init_process_group", "install", "on_accumulator", "on_window", "on_wrapper", "refusals"]

@@ -1,0 +1,42 @@
+"""Which process group carries the control plane: the data group itself, or a CPU group of the same ranks.
+
+On a device the control traffic (headers, controls, carried values) stays on the CPU, so a step never
+waits on the device to read it back (``control.py``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import process
+from .._torch import has_cpu_backend, is_registered
+
+SEPARATE_ON_CPU = False  # tests only: give a CPU data plane its own control group, as a device one has
+
+
+def control_group(group: dist.ProcessGroup, data_device: torch.device) -> tuple[dist.ProcessGroup, torch.device]:
+    """Return the group and device of the control plane for a data plane on ``data_device``.
+
+    A CPU data plane shares its group. Off CPU the control tensors stay on the CPU: over ``group``
+    when it has a CPU backend, otherwise over a new gloo group of the same ranks (its members alone
+    take part in making it). Only without gloo do they go on the device (two syncs per backward)."""
+    cpu = torch.device("cpu")
+    if data_device.type == "cpu" and not SEPARATE_ON_CPU:
+        return group, cpu
+    if data_device.type != "cpu" and has_cpu_backend(group):
+        return group, cpu
+    if not dist.is_gloo_available():
+        return group, data_device
+    ranks = dist.get_process_group_ranks(group)
+    if len(ranks) == dist.get_world_size():  # every rank builds this wrapper: a new group, named by count
+        return dist.new_group(ranks=ranks, backend="gloo"), cpu
+    # only the members build it, and torch names such a group by its ranks, once: the wrappers over
+    # one subgroup share its control group
+    known = process.state.control_subgroups.get(tuple(ranks))
+    if known is None or not is_registered(known):
+        known = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+        process.state.control_subgroups[tuple(ranks)] = known
+    return known, cpu
+
+
+__all__ = ["SEPARATE_ON_CPU", "control_group"]

@@ -1,0 +1,1 @@
+"""The tools of elastic training: ``gradsync run`` (``run.py``) and ``gradsync demo --elastic`` (``demo.py``)."""

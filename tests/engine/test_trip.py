@@ -1,0 +1,54 @@
+"""One gradient's trip: the gradsync files a default synced backward enters, traced, at most six.
+
+``sys.setprofile`` records every Python call into the package during one ``loss.backward()`` of
+``DistributedDataParallel(net)`` on 2 gloo ranks, after the first synced backward (which re-plans the
+buckets once from the observed order, ``engine/layout.py``). docs/architecture.md lists the files.
+"""
+import os
+import re
+import sys
+from pathlib import Path
+
+import torch.nn.functional as F
+
+import gradsync
+from gradsync.tools.launch import run_ranks
+from helpers import batches, mlp, shard
+
+MAX_FILES = 6
+DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
+
+
+def trace_backwards(rank, world_size, steps):
+    model = gradsync.DistributedDataParallel(mlp())
+    package = os.path.dirname(gradsync.__file__)
+    trips = []
+    for x, y in batches(steps, world_size):
+        loss = F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size))
+        files, calls = [], [0]
+
+        def profile(frame, event, arg):
+            if event == "call" and frame.f_code.co_filename.startswith(package):
+                calls[0] += 1
+                name = os.path.relpath(frame.f_code.co_filename, package)
+                if name not in files:
+                    files.append(name)
+        sys.setprofile(profile)
+        try:
+            loss.backward()
+        finally:
+            sys.setprofile(None)
+        trips.append((files, calls[0]))
+    return trips
+
+
+def test_a_synced_backward_enters_at_most_six_files_and_the_docs_list_them():
+    trips = run_ranks(trace_backwards, 2, 3)
+    for rank_trips in trips:
+        first, *steady = rank_trips
+        assert "engine/layout.py" in first[0]  # the probe sees the first backward's re-plan
+        for files, calls in steady:
+            assert len(files) <= MAX_FILES, files
+            assert files[0] == "engine/reducer.py", files  # the gradient's hook is the reducer's
+    listed = re.findall(r"^\d+\. `([\w/]+\.py)`", DOC.read_text(), flags=re.M)
+    assert set(trips[0][-1][0]) <= set(listed), (trips[0][-1][0], listed)
