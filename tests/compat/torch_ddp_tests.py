@@ -104,11 +104,12 @@ def _source(obj) -> str:
         return ""
 
 
-def builds_ddp(cls, name: str) -> bool:
-    """Whether the test's code, or a helper it calls (a method or a module function), builds a DDP."""
+def source_closure(cls, name: str) -> str:
+    """The source of test ``name`` and of every helper it calls (a method or a module function)."""
     module = sys.modules[DistributedTestBase(cls).__module__]
     seen: set[str] = set()
     todo = [name]
+    texts = []
     while todo:
         n = todo.pop()
         if n in seen:
@@ -118,10 +119,34 @@ def builds_ddp(cls, name: str) -> bool:
         if obj is None and inspect.isfunction(getattr(module, n, None)):
             obj = getattr(module, n)
         text = _source(obj) if obj is not None else ""
-        if BUILDS_DDP.search(text):
-            return True
+        texts.append(text)
         todo += re.findall(r"self\.(_\w+)\(", text) + re.findall(r"(?<![\w.])(_\w+)\(", text)
-    return False
+    return "\n".join(texts)
+
+
+def builds_ddp(cls, name: str) -> bool:
+    """Whether the test's code, or a helper it calls (a method or a module function), builds a DDP."""
+    return bool(BUILDS_DDP.search(source_closure(cls, name)))
+
+
+def private_ddp_names() -> set[str]:
+    """torch's DDP-private names: what torch's DDP class, its C++ Reducer and Logger define with a
+    leading underscore, and the ``reducer``/``logger`` objects themselves, less what gradsync's
+    wrapper defines too (``_get_ddp_logging_data``, ``_set_static_graph``, ``_log_and_throw``)."""
+    import torch.distributed as dist
+    from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
+
+    import gradsync
+    names = {n for k in (TorchDDP, dist.Reducer, dist.Logger) for n in dir(k)
+             if n.startswith("_") and not n.startswith("__")}
+    names -= set(dir(gradsync.DistributedDataParallel))
+    return names | {"reducer", "logger"}
+
+
+def private_api(cls, name: str, private: set[str]) -> list[str]:
+    """The DDP-private names test ``name`` (helpers included) reads: ``.name`` where name is private."""
+    text = source_closure(cls, name)
+    return sorted({n for n in re.findall(r"\.(_?[A-Za-z]\w*)\b", text) if n in private})
 
 
 def DistributedTestBase(cls):
@@ -168,36 +193,55 @@ class _Recorder(unittest.TestResult):
         self._done(test, "fail", "unexpected success (torch marks it expectedFailure)")
 
 
+MODES = ("torch", "gradsync", "assign")
+
+
 def run(mode: str, out: Path, timeout: float, substring: str | None, only_from: Path | None = None) -> dict:
+    """One mode: ``torch`` (torch's DDP), ``gradsync`` (inside ``gradsync.replace_torch_ddp()``) or
+    ``assign`` (``torch.nn.parallel.DistributedDataParallel = gradsync.DistributedDataParallel``
+    before the test module is imported, the one-line switch)."""
     temp_dir = tempfile.mkdtemp(prefix="gradsync-torch-ddp-tests-")
     _environment(temp_dir)
     sys.path.insert(0, str(SRC))
+    sys.path.insert(0, str(HERE))
     import torch
 
     import gradsync
+    import torch_ddp_port as port
 
     torch.set_num_threads(1)
+    if mode == "assign":  # before distributed_test binds the name (``from torch.nn.parallel import ...``)
+        torch.nn.parallel.DistributedDataParallel = gradsync.DistributedDataParallel
     cls, common_distributed = build_test_class()
     # torch's per-test bound (300 s, 400-500 s for two tests) is far more than any of these needs
     common_distributed.TIMEOUT_DEFAULT = timeout
     common_distributed.TIMEOUT_OVERRIDE.clear()
     names = selected(cls)
-    if substring:
-        names = [n for n in names if substring in n]
-    if only_from is not None:  # the tests another run did not skip (skips depend on the machine, not on DDP)
-        ran = {n for n, r in json.loads(only_from.read_text())["tests"].items() if r["result"] != "skip"}
-        names = [n for n in names if n in ran]
+    private = private_ddp_names()
+    excluded = {n: private_api(cls, n, private) for n in names}
+    excluded = {n: used for n, used in excluded.items() if used}
+    names = [n for n in names if n not in excluded]
+    if substring:  # one substring, or several separated by commas
+        names = [n for n in names if any(part in n for part in substring.split(","))]
+    if only_from is not None:  # the tests torch's DDP passed (skips depend on the machine, not on DDP)
+        passed = {n for n, r in json.loads(only_from.read_text())["tests"].items() if r["result"] == "pass"}
+        names = [n for n in names if n in passed]
+    port.patch_cuda_helpers(sys.modules[DistributedTestBase(cls).__module__], WORLD_SIZE)
+    ported = set(port.port_tests(cls, names))
     record = {"mode": mode, "torch": torch.__version__, "world_size": WORLD_SIZE, "timeout_s": timeout,
-              "tests": {}}
+              "excluded_private_api": excluded, "tests": {}}
 
     def on_done(name, result, reason, seconds):
-        record["tests"][name] = {"result": result, "seconds": round(seconds, 2),
+        record["tests"][name] = {"result": result, "seconds": round(seconds, 2), "ported": name in ported,
                                  "reason": first_error_line(reason) if result == "fail" else reason[:240],
                                  "detail": reason[-4000:] if result == "fail" else ""}
         out.write_text(json.dumps(record, indent=1))
         print(f"{result:5s} {seconds:6.1f}s {name}  {record['tests'][name]['reason'][:120]}", flush=True)
 
     handle = gradsync.replace_torch_ddp() if mode == "gradsync" else None
+    # after replace_torch_ddp(): the port's argument rule goes on top of its redirect
+    port.drop_device_ids(gradsync.DistributedDataParallel if mode == "assign"
+                         else torch.nn.parallel.distributed.DistributedDataParallel)
     started = time.monotonic()
     try:
         suite = unittest.TestSuite(cls(n) for n in names)
@@ -291,7 +335,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     p = sub.add_parser("run")
-    p.add_argument("mode", choices=["torch", "gradsync"])
+    p.add_argument("mode", choices=list(MODES))
     p.add_argument("out", type=Path)
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT)
     p.add_argument("-k", dest="substring")

@@ -84,7 +84,9 @@ class Reducer:
                                   timeout=config.timeout, counters=self.counters, data_device=self.device)
         self.store = store or BucketStore(self.params, self.names, world_size=self.world_size, caps=config.caps,
                                           reduce_dtype=config.reduce_dtype,
-                                          gradient_as_bucket_view=config.gradient_as_bucket_view)
+                                          gradient_as_bucket_view=config.gradient_as_bucket_view,
+                                          # no re-plan from the observed order: keep torch's first layout
+                                          registration_walk=config.find_unused_parameters and not config.static_graph)
         self.launcher = launcher(self.plane) if launcher else BucketLauncher(process_group, self.plane, self.params)
         self.it = IterationState()
         self.trace: list[dict] | None = None  # set to [] to record a timeline per synced backward
@@ -376,7 +378,8 @@ class Reducer:
         if self.config.check_finite and results is not None and not store.sharded:
             check_finite(results, [b.members for b in store.buckets], self.params, self.names)
         if graph_changed:
-            raise RuntimeError(messages.static_graph_missing(", ".join(self.names[i] for i in missing)))
+            raise RuntimeError(messages.static_graph_missing(", ".join(self.names[i] for i in missing), self.rank,
+                                                             " ".join(map(str, missing))))
         if not tracks_unused:
             check_missing(counts, self.names, len(active))
         return results, counts, it.record
