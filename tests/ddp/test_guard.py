@@ -1,6 +1,8 @@
 """An optimizer step on gradients that local backwards left unsynchronized raises on every rank."""
 import gc
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -192,7 +194,7 @@ class FakeReducer:
     def __init__(self, params):
         self.params = list(params)
         self.names = [f"p{i}" for i in range(len(self.params))]
-        self.wrapper_name, self.unsynced = "Fake", False
+        self.config, self.unsynced = types.SimpleNamespace(wrapper_name="Fake"), False
         self.window_used = [False] * len(self.params)
         self.store = self
 

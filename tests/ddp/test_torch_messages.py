@@ -72,6 +72,13 @@ def static_graph_unused_then_used(cls):
     return None, logged(model)
 
 
+# torch's test_invalid_static_graph matches this (raised around a backward and the next forward)
+STATIC_GRAPH_UNUSED = ("Expected to have finished reduction in the prior iteration before starting a new one. This "
+                       "error indicates that your training graph has changed in this iteration, e.g., one parameter "
+                       "is used in first iteration, but then got unused in the second iteration. this is not "
+                       "compatible with static_graph set to True.\nParameter indices which did not receive grad for")
+
+
 def static_graph_used_then_unused(cls):
     model = cls(ControlFlow(), static_graph=True)
     model(torch.ones(20, 10)).sum().backward()  # lin2 used in the first iteration
@@ -79,8 +86,7 @@ def static_graph_used_then_unused(cls):
     def iteration():
         model(torch.randn(20, 10)).sum().backward()
         model(torch.randn(20, 10))  # torch raises here, at the next forward; gradsync in the backward above
-    raises(iteration, RuntimeError, "training graph has changed in this iteration, e.g., one parameter is used "
-                                    "in first iteration, but then got unused in the second iteration")
+    raises(iteration, RuntimeError, STATIC_GRAPH_UNUSED)
     return None, logged(model)
 
 
@@ -95,7 +101,7 @@ CASES = {
     hook_not_callable: "Communication hook must be callable.",
     hook_twice: "register_comm_hook or register_builtin_comm_hook can only be called once.",
     static_graph_unused_then_used: "Your training graph has changed in this iteration",
-    static_graph_used_then_unused: "training graph has changed in this iteration",
+    static_graph_used_then_unused: "Expected to have finished reduction",
     set_static_graph_late: "should be called before training loop starts",
 }
 
@@ -113,3 +119,25 @@ def test_torchs_sentences_are_raised_and_logged_as_torch_does():
                     assert before == (None, None), (case.__name__, name, before)
                 assert has_error == 1, (case.__name__, name)
                 assert sentence in error, (case.__name__, name, error)
+
+
+def hook_returns_no_future(rank, world_size):
+    """torch raises RuntimeError at the bucket's launch in the first backward, and does not log it."""
+    out = {}
+    for name, cls in WRAPPERS.items():
+        model = cls(nn.Linear(4, 4))
+
+        def hook(state, bucket):
+            return 3
+        model.register_comm_hook(None, hook)
+        with pytest.raises(RuntimeError) as info:
+            model(torch.randn(2, 4)).sum().backward()
+        out[name] = str(info.value)
+    return out
+
+
+def test_a_hook_that_returns_no_future_raises_torchs_error():
+    sentence = "DDP communication hook's callback must return a torch.futures.Future object, but got builtins.int"
+    for out in run_ranks(hook_returns_no_future, 2, timeout=90):
+        assert sentence in out["torch"], out["torch"]
+        assert sentence in out["gradsync"], out["gradsync"]

@@ -179,3 +179,44 @@ def test_join_with_uneven_inputs_stays_in_step():
     for n in on[0][2]:
         torch.testing.assert_close(on[0][2][n], on[1][2][n], atol=0, rtol=0)  # ranks agree bit for bit
         torch.testing.assert_close(on[0][2][n], off[0][2][n], atol=0, rtol=0)  # and skipping changed nothing
+
+
+class LargeNet(nn.Module):
+    """torch's test_skip_all_reduce_unused_parameters model: ``fc1`` (1.9 MiB) runs, ``fc2`` (39 KiB) never."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(31415)
+        self.fc1 = nn.Linear(100, 5000, bias=False)
+        self.fc2 = nn.Linear(100, 100, bias=False)
+
+    def forward(self, x):
+        return self.fc1(x)
+
+
+def large_net(rank, world_size):
+    """torch's test_skip_all_reduce_unused_parameters on both wrappers: a 1.5 MiB cap, 10 steps."""
+    out = {}
+    for name, cls in (("torch", torch.nn.parallel.DistributedDataParallel), ("gradsync", gradsync.DDP)):
+        for skip in (False, True):
+            model = cls(LargeNet(), find_unused_parameters=True, bucket_cap_mb=1.5, skip_all_reduce_unused_params=skip)
+            x = torch.randn(20, 100, generator=torch.Generator().manual_seed(rank))
+            for _ in range(10):
+                model(x).sum().backward()
+            out[name, skip] = (model._get_ddp_logging_data().get("num_buckets_reduced"),
+                               [p.detach().clone() for p in model.parameters()])
+    return out
+
+
+def test_bucket_layout_with_find_unused_parameters_is_torchs():
+    """With find_unused_parameters (no re-plan from the observed order) torch 2.13 closes buckets walking
+    the parameters in registration order and launches them in reverse: fc1 fills a bucket of its own and
+    fc2 gets another, so torch reduces 2 buckets without the flag and 1 with it. gradsync lays them out
+    the same way, so num_buckets_reduced agrees."""
+    for out in run_ranks(large_net, 2, timeout=90):
+        assert out["torch", False][0] == 2 and out["torch", True][0] == 1  # torch's own test's numbers
+        assert out["gradsync", False][0] == out["torch", False][0]
+        assert out["gradsync", True][0] == out["torch", True][0]
+        for skip in (False, True):
+            for theirs, ours in zip(out["torch", skip][1], out["gradsync", skip][1]):
+                torch.testing.assert_close(ours, theirs)

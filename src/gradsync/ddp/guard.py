@@ -140,7 +140,7 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
             shown = ", ".join(f"'{n}'" for n in names[:5]) + (", ..." if len(names) > 5 else "")
             raise RuntimeError(
                 f"gradsync: {type(optimizer).__name__}.step() would apply unsynchronized gradients: "
-                f"{len(names)} parameter(s) of the {reducer.wrapper_name} model ({shown}) hold "
+                f"{len(names)} parameter(s) of the {reducer.config.wrapper_name} model ({shown}) hold "
                 "gradients from backward(s) under no_sync() (or without a forward through the "
                 "wrapper) that were not reduced across ranks yet, so every rank would step with its "
                 "own gradients and the replicas would drift apart. Run the accumulation window's last "

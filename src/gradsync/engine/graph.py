@@ -85,6 +85,20 @@ class Expected:
             raise self._logged(RuntimeError(messages.static_graph_extra(name, hook_counts[i], expected)))
         return not (from_hook and hook_counts[i] < expected)
 
+    def refuse_unfinished(self, hook_counts: list[int], names: list[str], rank: int) -> None:
+        """With ``static_graph``, a synced backward raised before its end: refuse the next forward with
+        torch's error, naming the parameters whose gradients that backward did not produce."""
+        if self.static_counts is None:
+            return
+        missing = [i for i, c in enumerate(self.static_counts) if hook_counts[i] < c]
+        raise self._logged(self.missing_error(missing, names, rank))
+
+    @staticmethod
+    def missing_error(missing: list[int], names: list[str], rank: int) -> RuntimeError:
+        """torch's error for parameters that produced no gradient though they did in the first iteration."""
+        return RuntimeError(messages.static_graph_missing(", ".join(names[i] for i in missing), rank,
+                                                          " ".join(map(str, missing))))
+
     def _logged(self, exc: RuntimeError) -> RuntimeError:
         self.error = messages.logged(exc)  # raised inside a gradient hook: the reducer's end never sees it
         return exc

@@ -129,10 +129,11 @@ class BucketLauncher:
         if buffer.is_complex():  # as torch's reducer: hooks see the real view (a cast would drop imaginary parts)
             buffer, views = torch.view_as_real(buffer).view(-1), [torch.view_as_real(v) for v in views]
         handle = self.hook(self.state, GradBucket(index, buffer, views, [self.params[i] for i in members], is_last))
-        if not isinstance(handle, Future):
-            raise TypeError(
-                f"gradsync: the communication hook returned {type(handle).__name__} for bucket {index}; "
-                "it must return a torch.futures.Future of the reduced tensor"
+        if not isinstance(handle, Future):  # torch's sentence and type, raised where torch raises it (the bucket's launch)
+            raise RuntimeError(
+                "gradsync: DDP communication hook's callback must return a torch.futures.Future object, but got "
+                f"{type(handle).__module__}.{type(handle).__qualname__} (bucket {index}): a hook returns a future "
+                "of the reduced tensor"
             )
         return handle
 

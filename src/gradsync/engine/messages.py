@@ -36,12 +36,17 @@ def static_graph_extra(name: str, count: int, expected: int) -> str:
             "the model with static_graph=False.")
 
 
-def static_graph_missing(names: str) -> str:
-    return ("gradsync: Your training graph has changed in this iteration, e.g., one parameter is used in "
-            "first iteration, but then got unused in the second iteration. this is not compatible with "
-            f"static_graph set to True. With static_graph=True, parameter(s) {names} produced no gradient in "
-            "this backward although they did in the first iteration: the graph changed; construct the model "
-            "with static_graph=False (and find_unused_parameters=True if needed).")
+def static_graph_missing(names: str, rank: int, indices: str) -> str:
+    # torch's sentence (its test_invalid_static_graph matches it), though gradsync raises it in the backward
+    # that missed the gradients, not at the next forward; then what gradsync knows
+    return ("gradsync: Expected to have finished reduction in the prior iteration before starting a new one. "
+            "This error indicates that your training graph has changed in this iteration, e.g., one parameter "
+            "is used in first iteration, but then got unused in the second iteration. this is not compatible "
+            f"with static_graph set to True.\nParameter indices which did not receive grad for rank {rank}: "
+            f"{indices}\nWith static_graph=True, parameter(s) {names} produced no gradient in this backward "
+            "although they did in the first iteration (gradsync raises in this backward, before any optimizer "
+            "step): the graph changed; construct the model with static_graph=False (and "
+            "find_unused_parameters=True if needed).")
 
 
 def ready_twice(name: str) -> str:

@@ -41,8 +41,7 @@ class Reducer:
     def __init__(self, params: Sequence[torch.nn.Parameter], names: Sequence[str], process_group: dist.ProcessGroup,
                  config: ReducerConfig, *, switch: Any, store: Any = None,
                  launcher: Callable[[ControlPlane], Any] | None = None):
-        """``switch.require_backward_grad_sync`` is read at each backward; ``store`` and ``launcher`` (a
-        factory given the plane) replace the full-size all-reduce parts (sharded)."""
+        """``switch.require_backward_grad_sync`` is read at each backward; ``store`` and ``launcher`` (given the plane)."""
         self.params, self.names, self.config = list(params), list(names), config
         self.group, self.rank, self.world_size = process_group, dist.get_rank(process_group), dist.get_world_size(process_group)
         self.device = self.params[0].device  # the data plane's
@@ -52,21 +51,21 @@ class Reducer:
         group, device = control_group(process_group, self.device)  # off CPU, a CPU group: no host syncs
         self.plane = ControlPlane(group, rank=self.rank, world_size=self.world_size, device=device,
                                   timeout=config.timeout, counters=self.counters, data_device=self.device)
-        self.store = store or BucketStore(self.params, self.names, world_size=self.world_size, caps=config.caps,
-                                          reduce_dtype=config.reduce_dtype,
-                                          gradient_as_bucket_view=config.gradient_as_bucket_view)
+        self.store = store or BucketStore(  # with find_unused_parameters no re-plan: torch's first layout
+            self.params, self.names, world_size=self.world_size, caps=config.caps, reduce_dtype=config.reduce_dtype,
+            gradient_as_bucket_view=config.gradient_as_bucket_view,
+            registration_walk=config.find_unused_parameters and not config.static_graph)
         self.launcher = launcher(self.plane) if launcher else BucketLauncher(process_group, self.plane, self.params)
         self.it = IterationState()
-        self.trace: list[dict] | None = None  # set to [] to record a timeline per synced backward
-        self.bucket_reduced: Callable[[list[int]], None] | None = None  # see on_bucket_reduced
+        self.trace: list[dict] | None = None  # [] records a timeline per synced backward (enable_trace)
+        self.bucket_reduced: Callable[[list[int]], None] | None = None  # overlap_optimizer (on_bucket_reduced)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.window_used = [False] * len(self.params)  # used locally since the last synced backward
         self.unsynced = False  # local gradients are waiting for a synced backward (ddp/guard.py reads it)
-        self.failed_ranks: list[int] = []  # ranks whose latest synced backward failed part-way
+        self.failed_ranks: list[int] = []  # ranks whose latest synced backward failed part-way (replay.py)
         self.attached: Any = None  # a commit protocol's Attachment (protocol.attach), set by a feature
-        self.last_report: telemetry.SyncReport | None = None
+        self.last_report, self.measure_norm = None, False  # the latest SyncReport; every rank's local norm too
         self.stragglers = telemetry.Stragglers() if config.straggler_warning else None
-        self.measure_norm = False  # GradientAccumulator(noise_scale=True): each rank's local squared norm
         self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
         self.tracks_graph = config.find_unused_parameters or config.static_graph
         self.finite_check = partial(check_finite, params=self.params, names=self.names) if config.check_finite else None
@@ -83,7 +82,6 @@ class Reducer:
     sync_count = property(lambda self: self.counters.sync)
     backward_count = property(lambda self: self.counters.backward)
     is_sharded = property(lambda self: self.store.sharded)
-    wrapper_name = property(lambda self: self.config.wrapper_name)  # named by the step guard's error
 
     def bucket_plan(self) -> list[list[int]]:  # the buckets as lists of parameter indices
         return self.store.plan()
@@ -91,9 +89,8 @@ class Reducer:
     def wait(self, handle: Any, what: str) -> None:  # bounded by the timeout (ControlPlane.wait)
         self.plane.wait(handle, what)
 
-    def on_bucket_reduced(self, callback: Callable[[list[int]], None] | None) -> None:
-        """Write back each bucket as soon as it is reduced and call ``callback(members)`` (overlap.py)."""
-        self.bucket_reduced = callback
+    def on_bucket_reduced(self, callback: Callable[[list[int]], None] | None) -> None:  # overlap.py
+        self.bucket_reduced = callback  # each bucket is written back as soon as reduced, then callback(members)
 
     def enable_trace(self) -> list[dict]:
         self.trace = [] if self.trace is None else self.trace
@@ -106,10 +103,13 @@ class Reducer:
         self.tracks_graph = True
 
     def prepare_for_forward(self) -> None:
-        if self.it.in_backward:  # the last backward raised before its end: drop its state
-            if self.it.syncing and self.it.compiled_autograd:
+        unfinished = self.it
+        if unfinished.in_backward:  # the last backward raised before its end: drop its state
+            if unfinished.syncing and unfinished.compiled_autograd:
                 raise RuntimeError(messages.COMPILED_AUTOGRAD_UNFINISHED)
             self.reset_iteration()
+            if unfinished.syncing and self.config.static_graph:  # as torch: the graph broke its promise
+                self.expected.refuse_unfinished(unfinished.hook_counts, self.names, self.rank)
 
     def prepare_for_backward(self, outputs: Any, training: bool = True, sync: bool = True) -> None:
         """A backward may follow; ``sync`` is the forward's wish (the switch is read again at backward)."""
@@ -274,7 +274,7 @@ class Reducer:
         if self.finite_check is not None and results is not None and not store.sharded:
             self.finite_check(results, [b.members for b in store.buckets])
         if config.static_graph and missing:
-            raise RuntimeError(messages.static_graph_missing(", ".join(self.names[i] for i in missing)))
+            raise self.expected.missing_error(missing, self.names, self.rank)
         if not self.tracks_graph:
             verdict.check_missing(self.names)
         return results, verdict.counts, it.record
