@@ -162,6 +162,12 @@ def functional_call_code() -> Any:
     return stateless._functional_call.__code__
 
 
+def set_authoritative_rank(ddp: Any, rank: int) -> None:
+    """torch's DDP names the rank a join copies the model from ``_authoritative_rank`` (torch's join
+    tests read it); gradsync's wrapper keeps it under torch's name."""
+    ddp._authoritative_rank = rank
+
+
 def join_enabled(joinable: Any) -> bool:
     """Whether torch's ``Join`` context runs a join for ``joinable`` now (it sets ``_join_config``)."""
     return joinable._join_config.enable
@@ -221,7 +227,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "caller_frame", "module_slots", "has_cpu_backend", "join_enabled", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
+__all__ = ["BatchNormBase", "Future", "caller_frame", "module_slots", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
            "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join as TorchJoin, JoinHook
 
-from .._torch import join_enabled, set_join_config_disabled
+from .._torch import join_enabled, set_authoritative_rank, set_join_config_disabled
 from ..engine.launcher import one_collective
 from ..engine.errors import SyncError
 from ..engine.control import empty_control
@@ -108,13 +108,14 @@ class DDPJoinHook(JoinHook):
     def post_hook(self, is_last_joiner: bool) -> None:
         """Copy the model from a rank that was active longest, then leave join mode."""
         ddp, reducer = self.ddp, self.ddp.reducer
-        ddp.authoritative_rank = max(self.last_active)
+        source = max(self.last_active)
+        set_authoritative_rank(ddp, source)
         tensors = list(ddp.module.parameters())
         if ddp.forward_sync_buffers:
             tensors += list(ddp.module.buffers())
         # the counters the end-of-backward check compares: joined ranks ran fewer passes
         counters = torch.tensor([reducer.counters.backward, reducer.counters.forward], device=reducer.device)
-        ddp.broadcast_tensors(tensors + [counters], ddp.authoritative_rank)
+        ddp.broadcast_tensors(tensors + [counters], source)
         reducer.counters.backward, reducer.counters.forward = counters.tolist()
         self.close()
 

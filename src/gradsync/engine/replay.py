@@ -45,7 +45,7 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
     rank reduced again without this rank's window; ``again=False``: this rank's window already holds
     synced gradients (``sync_each_batch``), so that would not be exact and every rank raises)."""
     r = ddp.reducer
-    if ddp.join_active:
+    if ddp.join_state is not None:
         raise NotImplementedError("gradsync: skipping a micro-step inside model.join() is not supported: "
                                   "the join handshake already lets a rank run out of data; skip outside it")
     if r.config.static_graph:
