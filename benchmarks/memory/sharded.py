@@ -1,7 +1,7 @@
 """Memory, time and traffic of sharded gradients against DDP, with gradient accumulation.
 
-    python benchmarks/sharded_memory.py           # writes benchmarks/results/sharded-memory-<machine>-<date>.md
-    python benchmarks/sharded_memory.py --quick   # a tiny model, prints the table, writes nothing
+    python benchmarks/memory/sharded.py           # writes results/memory-sharded-<N>cpu-<date>.{md,json}
+    python benchmarks/memory/sharded.py --quick   # a tiny model, prints the table, writes nothing
 
 For W = 2 and 4 local gloo ranks, a 50M-parameter MLP trains with AdamW and ACC micro-steps per
 window in three ways: (a) gradsync.DDP with no_sync, (b) ShardedDataParallel with no_sync (one
@@ -33,9 +33,9 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 import gradsync  # noqa: E402
-from gradsync.tools.bench.measure import reset_peak_rss, status_kib  # noqa: E402
+from gradsync.tools.bench.harness import (RESULTS, LoadWatch, machine_info, record_stem, reset_peak_rss,  # noqa: E402
+                                        status_kib, write_record)
 from gradsync.tools.launch import run_ranks  # noqa: E402
 
 WIDTH, DEPTH = 2048, 12  # 12 x Linear(2048, 2048): 50.4M parameters
@@ -118,10 +118,12 @@ def main(argv: list[str] | None = None) -> None:
     global WIDTH, DEPTH, WARMUP, WINDOWS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="a tiny model; print the table, write nothing")
-    quick = p.parse_args(argv).quick
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args(argv)
+    quick = args.quick
     if quick:  # the ranks are forked after this, so they see the small sizes
         WIDTH, DEPTH, WARMUP, WINDOWS = 64, 2, 0, 1
-    rows = []
+    rows, table, load = [], [], LoadWatch()
     for world_size in (2, 4):
         per_rank = run_ranks(bench, world_size, timeout=900, pg_timeout=300)
         worst = {c: {k: max(r[c][k] for r in per_rank) for k in per_rank[0][c]} for c in CONFIGS}
@@ -129,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
         sharded_share = (ddp["params"] + ddp["state"]) / world_size
         for config in CONFIGS:
             r = worst[config]
+            table.append({"world": world_size, "config": config, **r})
             used = r["grads"] + r["state"]
             ratios = ("", "")
             if "sharded" in config:
@@ -143,9 +146,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     today = datetime.date.today().isoformat()
     nparams = sum(p.numel() for p in build().parameters())
-    out = Path(__file__).parent / "results" / f"sharded-memory-{platform.node() or 'machine'}-{today}.md"
-    out.parent.mkdir(exist_ok=True)
-    out.write_text(
+    record = {"scenario": "memory-sharded", "machine": machine_info(), "torch": torch.__version__,
+              **load.as_record(), "rows": table}
+    write_record(args.out, record_stem("memory-sharded"), record,
         f"# Sharded gradients vs DDP under accumulation ({today}, {platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}, gloo)\n\n"
         f"Model: {DEPTH} x Linear({WIDTH}, {WIDTH}) + ReLU, {nparams / 1e6:.1f}M fp32 parameters; AdamW; "
@@ -171,7 +174,6 @@ def main(argv: list[str] | None = None) -> None:
         "The small end-of-backward control all-reduce is left out.\n"
         "- Times come from a machine whose cores are shared with other jobs, with more ranks than cores "
         "at W=4: read them as rough.\n")
-    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

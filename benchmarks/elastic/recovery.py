@@ -1,7 +1,7 @@
 """Elastic recovery: how long a SIGKILLed replica costs the survivors, and what membership costs without one.
 
-    python benchmarks/elastic_recovery.py                  # writes benchmarks/results/elastic_recovery.{md,json}
-    python benchmarks/elastic_recovery.py --kills 3 --pairs 2 --out /tmp/er   # a quick look
+    python benchmarks/elastic/recovery.py                  # writes results/elastic-recovery-<N>cpu-<date>.{md,json}
+    python benchmarks/elastic/recovery.py --kills 3 --pairs 2 --out /tmp/er   # a quick look
 
 Each job is ``gradsync run --replicas 3 --min-replicas 2`` of this file (``--worker``): an MLP of
 about 1.1M parameters, windows of 4 micro-steps, SGD. In a kill job one replica SIGKILLs itself at a
@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gradsync.tools.bench.harness import RESULTS, machine_info, record_stem, write_record
 
 WINDOWS, STEPS, POINTS = 20, 4, ["during_reductions", "local_backward", "after_reductions", "forward"]
 
@@ -136,8 +138,8 @@ def main() -> None:
     parser.add_argument("--point", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--kill-window", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--name", default="elastic_recovery", help="the results' file name, without suffix")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", help="file name stem (default: elastic-recovery-<N>cpu-<date>)")
     parser.add_argument("--kills", type=int, default=8, help="kill jobs (points and victims take turns)")
     parser.add_argument("--pairs", type=int, default=4, help="elastic/plain job pairs without a failure")
     args = parser.parse_args()
@@ -172,20 +174,18 @@ def main() -> None:
         print(f"pair {i}: elastic {elastic * 1e3:.1f} ms, plain {plain * 1e3:.1f} ms per window, "
               f"vote {vote * 1e3:.2f} ms", flush=True)
     load_after = os.getloadavg()
-    write(Path(args.out), args.name, kills, pairs, load_before, load_after)
+    write(Path(args.out), args.name or record_stem("elastic-recovery"), kills, pairs, load_before, load_after)
 
 
 def write(out: Path, name: str, kills: list, pairs: list, load_before: tuple, load_after: tuple) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    data = {"kills": kills, "pairs": pairs, "load_before": load_before, "load_after": load_after,
+    data = {"scenario": "elastic-recovery", "machine": machine_info(), "kills": kills, "pairs": pairs, "load_before": load_before, "load_after": load_after,
             "windows": WINDOWS, "steps": STEPS, "cpu_count": os.cpu_count()}
-    (out / f"{name}.json").write_text(json.dumps(data, indent=1))
     lat = [k["latency_s"] for k in kills]
     extra = [k["extra_s"] for k in kills]
     lines = [
         "# Elastic recovery: a SIGKILLed replica out of 3, on this machine",
         "",
-        f"`python benchmarks/elastic_recovery.py`, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
+        f"`python benchmarks/elastic/recovery.py`, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, "
         f"load average {load_before[0]:.1f} before and {load_after[0]:.1f} after. MLP of 1.05M parameters, "
         f"windows of {STEPS} micro-steps (32 x 512 each), 3 replicas sharing the cores; the kill is in window 3 of {WINDOWS}.",
         "",
@@ -219,7 +219,7 @@ def write(out: Path, name: str, kills: list, pairs: list, load_before: tuple, lo
               "the spread between pairs is the noise on this shared machine. The vote (a store `add`, then "
               f"the decision) took a median {statistics.median(votes) * 1e3:.2f} ms per synced backward, "
               "measured around `StoreMembership.commit` on every replica.", ""]
-    (out / f"{name}.md").write_text("\n".join(lines))
+    write_record(out, name, data, "\n".join(lines))
 
 
 if __name__ == "__main__":

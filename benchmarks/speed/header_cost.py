@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine
-from paired import describe, main as paired_main, paired, time_variants
+from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark, time_variants
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -59,7 +59,7 @@ def summarize(times: dict[str, list[float]]) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     quick = [ModelSpec(name="mlp-tiny", kind="mlp", width=32, depth=2, batch=4),
              NormedSpec(name="mlp-tiny+batchnorm", kind="mlp", width=32, depth=2, batch=4)]
-    return paired_main("header_cost", __doc__, MODELS, quick, time_rank, summarize, report, argv)
+    return run_paired_benchmark("speed-header-cost", __doc__, MODELS, quick, time_rank, summarize, report, argv)
 
 
 def report(record: dict) -> str:

@@ -1,6 +1,6 @@
 """What GradientAccumulator(noise_scale=True) costs: the same ranks, windows alternating, against it off.
 
-    python benchmarks/noise_scale_cost.py       # -> results/noise_scale_cost.{md,json}, about a minute
+    python benchmarks/speed/noise_scale_cost.py   # -> results/speed-noise-scale-cost-<N>cpu-<date>.{md,json}, about a minute
 
 Three engines on identical model copies (an MLP of 8.4M parameters, 8 x 1024, AdamW) in the same
 2 forked gloo ranks: ``off``, ``off-again`` (a second copy: the A/A pair, the noise) and
@@ -11,10 +11,7 @@ over ranks, and the ratios are paired round by round. Two whole runs, to see whe
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
-import statistics
 import time
 from pathlib import Path
 
@@ -22,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 import gradsync
+from gradsync.tools.bench.harness import (RESULTS, LoadWatch, machine_info, paired, record_stem, reduce_max,
+                                        round_order, write_record)
 from gradsync.tools.launch import run_ranks
 
 ENGINES = {"off": False, "off-again": False, "noise_scale": True}
@@ -39,9 +38,7 @@ def rank_fn(rank, world, reps, warmup, accum, width=1024):
     g = torch.Generator().manual_seed(rank)
     times = {n: [] for n in engines}
     for rep in range(warmup + reps):
-        order = list(engines)
-        random.Random(rep).shuffle(order)  # the same order on every rank
-        for name in order:
+        for name in round_order(list(engines), rep):  # the same order on every rank
             model, acc, optimizer = engines[name]
             dist.barrier()
             start = time.perf_counter()
@@ -50,36 +47,33 @@ def rank_fn(rank, world, reps, warmup, accum, width=1024):
                     acc.backward(model(torch.randn(32, width, generator=g)).square().mean())
                 optimizer.step()
                 optimizer.zero_grad()
-            took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            took = reduce_max([time.perf_counter() - start])[0]
             if rep >= warmup:
-                times[name].append(float(took))
+                times[name].append(took)
     return times
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--runs", type=int, default=2)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    p.add_argument("--stem", default="noise_scale_cost")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--name", help="file name stem (default: speed-noise-scale-cost-<N>cpu-<date>)")
     p.add_argument("--width", type=int, default=1024, help="the MLP's width (smaller: a smoke test)")
-    args = p.parse_args()
-    runs = []
+    args = p.parse_args(argv)
+    runs, watch = [], LoadWatch()
     for run in range(args.runs):
         load = os.getloadavg()[0]
         times = run_ranks(rank_fn, 2, args.reps, args.warmup, args.accum, args.width, timeout=900)[0]
-        paired = {n: statistics.median(a / b for a, b in zip(times[n], times["off"])) for n in ("off-again", "noise_scale")}
-        runs.append({"load": load, "median_ms": {n: statistics.median(t) * 1e3 for n, t in times.items()},
-                     "paired": paired, "noise_ratios": [a / b for a, b in zip(times["noise_scale"], times["off"])]})
-        print(f"run {run + 1}: noise_scale/off {paired['noise_scale']:.3f}, A/A {paired['off-again']:.3f}, "
-              f"load {load:.1f}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{args.stem}.json").write_text(json.dumps(runs, indent=1))
+        to_off = paired(times, "off")
+        runs.append({"load": load, "median_ms": to_off["median_ms"], "paired_ratio": to_off["paired_ratio"],
+                     "noise_ratios": [a / b for a, b in zip(times["noise_scale"], times["off"])]})
+        print(f"run {run + 1}: noise_scale/off {to_off['paired_ratio']['noise_scale']:.3f}, "
+              f"A/A {to_off['paired_ratio']['off-again']:.3f}, load {load:.1f}", flush=True)
     lines = ["# GradientAccumulator(noise_scale=True): cost against it off", "",
-             f"`python benchmarks/noise_scale_cost.py`, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores; "
+             f"`python benchmarks/speed/noise_scale_cost.py`, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores; "
              f"2 gloo ranks, MLP 8.4M parameters, windows of {args.accum} micro-steps, {args.reps} rounds per run, "
              "engines alternating in a shuffled order; paired medians of per-round ratios.", "",
              "| run | load | off ms | off-again ms | noise_scale ms | A/A (off-again/off) | noise_scale/off |",
@@ -87,9 +81,12 @@ def main() -> None:
     for i, r in enumerate(runs):
         m = r["median_ms"]
         lines.append(f"| {i + 1} | {r['load']:.1f} | {m['off']:.1f} | {m['off-again']:.1f} | {m['noise_scale']:.1f} | "
-                     f"{r['paired']['off-again']:.3f} | {r['paired']['noise_scale']:.3f} |")
+                     f"{r['paired_ratio']['off-again']:.3f} | {r['paired_ratio']['noise_scale']:.3f} |")
     lines.append("")
-    (args.out / f"{args.stem}.md").write_text("\n".join(lines))
+    record = {"scenario": "speed-noise-scale-cost", "machine": machine_info(), "accum": args.accum, "reps": args.reps,
+              **watch.as_record(), "runs": runs}
+    write_record(args.out, args.name or record_stem("speed-noise-scale-cost"), record, "\n".join(lines))
+    return record
 
 
 if __name__ == "__main__":

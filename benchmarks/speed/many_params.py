@@ -1,9 +1,8 @@
 """A model of many small parameters, where gradsync's per-parameter Python cost shows (issue 29).
 
-    python benchmarks/many_params.py --stem many_params-after-run1   # 2 ranks, ~3 min: results/<stem>.{json,md}
-    python benchmarks/many_params.py                    # the same as results/many_params.{json,md} (replaces --combine's)
-    python benchmarks/many_params.py --quick --out /tmp # a smoke test, not a measurement
-    python benchmarks/many_params.py --combine          # many_params-{before,after}-run{1,2} -> many_params.{md,json}
+    python benchmarks/speed/many_params.py                     # 2 ranks, ~3 min: results/speed-many-params-<N>cpu-<date>
+    python benchmarks/speed/many_params.py --quick --out /tmp  # a smoke test, not a measurement
+    python benchmarks/compare.py BEFORE.json AFTER.json        # two runs (e.g. two commits) side by side
 
 The model: 200 blocks of ``nn.Linear(64, 64)`` + ``nn.LayerNorm(64)`` and a bias-free head,
 801 parameter tensors of 64 to 4096 elements; per window each one passes through gradsync's
@@ -23,11 +22,8 @@ paired the same way: on a machine shared with other jobs it moves much less than
 """
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -35,7 +31,7 @@ from torch import nn
 import gradsync
 from gradsync.tools.bench.measure import alternate
 from gradsync.tools.bench.models import Engine, GradsyncEngine, ModelSpec, TorchEngine, TorchViewsEngine, loss_fn
-from paired import RESULTS, describe, main as paired_main, paired
+from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,18 +86,11 @@ def time_rank(rank, world, spec, accum, warmup, reps) -> dict:
     return alternate(engines, spec, rank, accum, warmup, reps)  # {"times": wall, "cpu": process time}
 
 
-def quartiles(xs: list[float]) -> list[float]:
-    s = sorted(xs)
-    return [s[len(s) // 4], s[(3 * len(s)) // 4]]
-
-
 def summarize(res: dict) -> dict:
     out = paired(res["times"], "torch")
     cpu = paired(res["cpu"], "torch")
-    ref, ref_cpu = res["times"]["torch"], res["cpu"]["torch"]
-    out["ratio_iqr"] = {n: quartiles([a / b for a, b in zip(t, ref)]) for n, t in res["times"].items()}
-    out["cpu_median_ms"], out["cpu_paired_ratio"] = cpu["median_ms"], cpu["paired_ratio"]
-    out["cpu_ratio_iqr"] = {n: quartiles([a / b for a, b in zip(t, ref_cpu)]) for n, t in res["cpu"].items()}
+    out["cpu_median_ms"], out["cpu_paired_ratio"], out["cpu_ratio_iqr"] = \
+        cpu["median_ms"], cpu["paired_ratio"], cpu["ratio_iqr"]
     out["raw_cpu"] = res["cpu"]
     return out
 
@@ -138,71 +127,9 @@ def report(record: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-COMBINED = ["before-run1", "after-run1", "before-run2", "after-run2"]  # the order they ran in
-
-
-def combine(out: Path = RESULTS) -> dict:
-    """One report of the before/after runs (each written by a run with ``--stem many_params-<name>``)."""
-    runs = {name: json.loads((out / f"many_params-{name}.json").read_text()) for name in COMBINED}
-    record = {"runs": runs}
-    lines = ["# Many small parameters: gradsync against torch's DDP, before and after issue 29's hot-path change", "",
-             "*before*: the working tree without the change (same tree otherwise, imported from a copy); *after*: "
-             "with it. Each run: " + describe(runs["after-run1"]).split("; load average")[0] + ". Model: 200 "
-             "blocks of Linear(64, 64) + LayerNorm(64) and a bias-free head: 801 parameter tensors, 0.86 M parameters, "
-             "batch 8 per rank, AdamW. The runs alternated before, after, before, after while other jobs shared the "
-             "2 cores (load averages below): wall-time ratios spread widely; CPU time (process time summed over ranks, "
-             "paired by round) is the steadier figure.", "",
-             "Median of per-round ratios to torch's DDP (defaults) [interquartile range]:", "",
-             "| accum | run | load before/after | gradsync / torch wall | gradsync / torch CPU | gradsync-acc / torch wall "
-             "| gradsync-acc / torch CPU | gradsync-copy / torch CPU | torch-views / torch CPU |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    fmt = lambda r, key, iqr, n: f"{r[key][n]:.3f} [{r[iqr][n][0]:.2f}-{r[iqr][n][1]:.2f}]"  # noqa: E731
-    accums = [row["accum"] for row in runs["after-run1"]["rows"]]
-    for k, accum in enumerate(accums):
-        for name in sorted(COMBINED):
-            rec = runs[name]
-            r = rec["rows"][k]
-            lines.append(f"| {accum} | {name} | {rec['load_before'][0]:.1f} / {rec['load_after'][0]:.1f} | "
-                         f"{fmt(r, 'paired_ratio', 'ratio_iqr', 'gradsync')} | "
-                         f"{fmt(r, 'cpu_paired_ratio', 'cpu_ratio_iqr', 'gradsync')} | "
-                         f"{fmt(r, 'paired_ratio', 'ratio_iqr', 'gradsync-acc')} | "
-                         f"{fmt(r, 'cpu_paired_ratio', 'cpu_ratio_iqr', 'gradsync-acc')} | "
-                         f"{fmt(r, 'cpu_paired_ratio', 'cpu_ratio_iqr', 'gradsync-copy')} | "
-                         f"{fmt(r, 'cpu_paired_ratio', 'cpu_ratio_iqr', 'torch-views')} |")
-    lines += ["", "CPU time per window, summed over the 2 ranks (medians, ms):", "",
-              "| accum | run | " + " | ".join(VARIANTS) + " |", "|---|---|" + "---|" * len(VARIANTS)]
-    for k, accum in enumerate(accums):
-        for name in sorted(COMBINED):
-            r = runs[name]["rows"][k]
-            lines.append(f"| {accum} | {name} | " + " | ".join(f"{r['cpu_median_ms'][n]:.1f}" for n in VARIANTS) + " |")
-    lines += ["", "## Where the rest goes (after)", "",
-              "One rank (gloo, world 1), CPU ms per micro-step, medians of 35 alternating rounds, two runs, same model "
-              "(views on for gradsync, torch with its defaults; ``zero_grad(set_to_none=True)`` before each window):", "",
-              "| micro-step | torch | gradsync before | gradsync after |", "|---|---|---|---|",
-              "| forward (one rank: no buffers walk either way) | 5.9-6.7 | 7.2-7.5 | 7.2-7.3 |",
-              "| first no_sync backward (fresh .grad: copied into its bucket view) | 8.9-9.6 | 13.7-14.5 | 14.5-14.8 |",
-              "| later no_sync backward (.grad already the view) | 9.1-10.3 | 11.7-11.8 | 11.9-12.0 |",
-              "| synced backward (.grad already the view) | 14.7-16.0 | 17.8-18.5 | 14.6-15.0 |", "",
-              "The synced backward now costs what torch's does; what is left is per parameter and outside it: "
-              "801 Python post-accumulate-grad hooks in each no_sync backward (~2.5 us each: the call from autograd, "
-              "the reducer's bookkeeping), the first micro-step's copy of each fresh gradient into its bucket view "
-              "(one copy_ per parameter, ~3 us of dispatch each; torch's C++ reducer does it for ~1 us), and each "
-              "forward's check that the module's 801 parameters are still the wrapped ones (~1 ms).",
-              ]
-    (out / "many_params.json").write_text(json.dumps(record, indent=1))
-    (out / "many_params.md").write_text("\n".join(lines) + "\n")
-    print(f"wrote {out / 'many_params'}.md")
-    return record
-
-
 def main(argv: list[str] | None = None) -> dict:
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--stem", default="many_params")
-    pre.add_argument("--combine", action="store_true")
-    known, rest = pre.parse_known_args(argv)
-    if known.combine:
-        return combine()
-    return paired_main(known.stem, __doc__, MODELS, QUICK, time_rank, summarize, report, rest, reps=31, warmup=5)
+    return run_paired_benchmark("speed-many-params", __doc__, MODELS, QUICK, time_rank, summarize, report, argv,
+                                reps=31, warmup=5)
 
 
 if __name__ == "__main__":

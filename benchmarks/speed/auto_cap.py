@@ -12,7 +12,7 @@ to torch's DDP.
 from __future__ import annotations
 
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine
-from paired import describe, main as paired_main, paired, time_variants
+from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark, time_variants
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
           ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64)]
@@ -40,7 +40,7 @@ def summarize(result: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     quick = [ModelSpec(name="gpt-tiny", kind="gpt", width=64, depth=1, batch=2, seq=8)]
-    return paired_main("auto_cap", __doc__, MODELS, quick, time_rank, summarize, report, argv, reps=15, warmup=24,
+    return run_paired_benchmark("speed-auto-cap", __doc__, MODELS, quick, time_rank, summarize, report, argv, reps=15, warmup=24,
                        quick_warmup=8)  # gpt-tiny has one layout: chosen at its first synced backward
 
 

@@ -1,6 +1,6 @@
 """What bf16 gradients lose in accumulation and reduction, and what reduce_dtype=torch.float32 keeps.
 
-    PYTHONPATH=src python benchmarks/bf16_accuracy.py   # writes results/bf16_accuracy.{json,md,png}
+    python benchmarks/accuracy/bf16.py   # writes results/accuracy-bf16-<N>cpu-<date>.{json,md,png}
 
 A small GPT with bf16 parameters, on W gloo ranks, accumulates k micro-steps and reduces once.
 Per row: (i) relative L2 error of the window's averaged gradient against the exact fp64 sum of the
@@ -13,7 +13,6 @@ gradient copy, counted as such) and the mean time of a window. Then LOSS_STEPS o
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import gradsync
+from gradsync.tools.bench.harness import RESULTS, LoadWatch, machine_info, record_stem, write_record
 from gradsync.tools.bench.models import GPT
 from gradsync.tools.launch import run_ranks
 
@@ -162,7 +162,7 @@ def markdown(record: dict) -> str:
         lines += ["", f"Loss curves: {c['steps']} AdamW steps (fp32 masters) at accumulation {c['accumulation']}, "
                   f"2 ranks, same data: final loss (mean of the last 10) "
                   + ", ".join(f"{k}: {statistics.mean(v[-10:]):.4f}" for k, v in c["losses"].items())
-                  + ". Plot: bf16_accuracy.png."]
+                  + f". Plot: {record['stem']}.png."]
     return "\n".join(lines) + "\n"
 
 
@@ -177,7 +177,7 @@ def plot(record: dict, out: Path) -> None:
     ax.set_ylabel("training loss")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / "bf16_accuracy.png", dpi=110)
+    fig.savefig(out / f"{record['stem']}.png", dpi=110)
     plt.close(fig)
 
 
@@ -187,26 +187,27 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--accumulation", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--windows", type=int, default=3)
     parser.add_argument("--loss-steps", type=int, default=200)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", help="file name stem (default: accuracy-bf16-<N>cpu-<date>)")
     args = parser.parse_args(argv)
-    out = Path(args.out)
+    out, stem = args.out, args.name or record_stem("accuracy-bf16")
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, load = [], LoadWatch()
     for ranks in args.ranks:
         for steps in args.accumulation:
             result = run_ranks(measure, ranks, steps, args.windows, timeout=1800)[0]
             rows += [{"ranks": ranks, "accumulation": steps, "row": row, **v} for row, v in result.items()]
             print(f"{ranks} ranks, accumulation {steps}: "
                   + ", ".join(f"{row[:3]} {v['accumulation_error']:.1e}" for row, v in result.items()), flush=True)
-    record = {"size": SIZE, "params": sum(p.numel() for p in model(torch.float32).parameters()), "rows": rows}
+    record = {"scenario": "accuracy-bf16", "stem": stem, "machine": machine_info(), "size": SIZE,
+              "params": sum(p.numel() for p in model(torch.float32).parameters()), "rows": rows}
     if args.loss_steps:
         accumulation = 8
         record["curves"] = {"steps": args.loss_steps, "accumulation": accumulation, "losses": {
             row: run_ranks(curve, 2, row, args.loss_steps, accumulation, timeout=1800)[0] for row in (ROWS[0], ROWS[2])}}
         plot(record, out)
-    (out / "bf16_accuracy.json").write_text(json.dumps(record, indent=1))
-    (out / "bf16_accuracy.md").write_text(markdown(record))
-    print(markdown(record))
+    record.update(load.as_record())
+    write_record(out, stem, record, markdown(record))
     return record
 
 

@@ -1,6 +1,6 @@
 """Measure what gradient compression costs in accuracy: fp16 and bf16 hooks against exact fp32.
 
-    PYTHONPATH=src python benchmarks/hook_accuracy.py   # writes results/hook-accuracy-<machine>-<date>.md
+    python benchmarks/accuracy/hooks.py   # writes results/accuracy-hooks-<N>cpu-<date>.{md,json}
 
 Two local gloo ranks train the same MLP from the same start for STEPS steps, once per hook, on the
 same data; we report the relative error of the first step's reduced gradient and the final loss.
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
+from gradsync.tools.bench.harness import RESULTS, LoadWatch, machine_info, record_stem, write_record
 from gradsync.tools.launch import run_ranks
 
 STEPS = 200
@@ -56,18 +57,22 @@ def train(rank: int, world_size: int, hook_name: str, steps: int):
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
+    load = LoadWatch()
     runs = {name: run_ranks(train, 2, name, args.steps, timeout=600)[0] for name in HOOKS}
     exact, exact_loss = runs["none (fp32 all-reduce)"]
-    rows = []
+    rows, table = [], []
     for name, (grad, loss) in runs.items():
         rel = ((grad - exact).norm() / exact.norm()).item()
+        table.append({"hook": name, "relative_error": rel, "max_abs_error": (grad - exact).abs().max().item(),
+                      "final_loss": loss, "loss_ratio": loss / exact_loss})
         rows.append(f"| {name} | {rel:.2e} | {(grad - exact).abs().max().item():.2e} | {loss:.5f} | "
                     f"{loss / exact_loss:.4f} |")
     today = datetime.date.today().isoformat()
-    out = args.out / f"hook-accuracy-{platform.node() or 'machine'}-{today}.md"
-    out.write_text(
+    record = {"scenario": "accuracy-hooks", "machine": machine_info(), "steps": args.steps, **load.as_record(),
+              "rows": table}
+    out = write_record(args.out, record_stem("accuracy-hooks"), record,
         f"# Accuracy cost of compression hooks ({today}, {platform.machine()}, torch {torch.__version__})\n\n"
         f"2 gloo ranks, MLP 64-512-512-8 (300k parameters), Adam lr 1e-3, {args.steps} steps, batch 32 per rank.\n"
         "Gradient error: first step's reduced gradient against the fp32 all-reduce. Loss: mean of the last 20 steps.\n\n"

@@ -2,22 +2,18 @@
 copy into the bucket), the previous views path (a copy, then a whole-bucket div_ at launch), gradsync
 without views, torch's DDP and torch's DDP with views, on gradsync bench's models, AdamW.
 
-    python benchmarks/views_ab.py [timed windows per engine, default 9] [--quick]
+    python benchmarks/speed/views_ab.py [timed windows per engine, default 9] [--quick]
 
 Prints per model and accumulation the paired (per-round) ratio of each engine to torch's DDP and
 of the current views path to the previous one, with the load average before and after.
 """
-import copy
 import os
-import statistics
 import sys
-import time
 
 import torch
-import torch.distributed as dist
 
 from gradsync.core.store import BucketStore
-from gradsync.tools.bench import measure
+from gradsync.tools.bench.harness import paired, time_variants
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine, TorchViewsEngine
 from gradsync.tools.launch import run_ranks
 
@@ -48,25 +44,10 @@ class NoViews(GradsyncEngine):
 
 def rank_fn(rank, world, spec, accum, reps, warmup=2):
     torch.set_num_threads(1)
-    base = spec.build(seed=0)
-    engines = {c.name: c(copy.deepcopy(base), bucket_cap_mb=25, view=None, set_to_none=True, lr=1e-3)
-               for c in (GradsyncEngine, PreviousViews, NoViews, TorchEngine, TorchViewsEngine)}
-    names = list(engines)
-    times = {n: [] for n in names}
-    for rep in range(warmup + reps):
-        shift = rep % len(names)
-        for n in names[shift:] + names[:shift]:
-            dist.barrier()
-            start = time.perf_counter()
-            measure._window(engines[n], spec, rank, rep, accum)
-            wall = measure._reduce([time.perf_counter() - start], dist.ReduceOp.MAX)[0]
-            if rep >= warmup:
-                times[n].append(wall)
-    return times
-
-
-def paired(a, b):
-    return statistics.median(x / y for x, y in zip(a, b))
+    kw = dict(bucket_cap_mb=25, view=None, set_to_none=True, lr=1e-3)
+    variants = {c.name: (lambda m, c=c: c(m, **kw))
+                for c in (GradsyncEngine, PreviousViews, NoViews, TorchEngine, TorchViewsEngine)}
+    return time_variants(rank, world, spec, variants, accum, warmup, reps)
 
 
 def main(reps: int, quick: bool = False) -> list[str]:
@@ -79,10 +60,11 @@ def main(reps: int, quick: bool = False) -> list[str]:
         for accum in (1, 4):
             load = os.getloadavg()[0]
             t = run_ranks(rank_fn, 2, spec, accum, reps, timeout=900)[0]
-            cells = [f"{n} {paired(v, t['torch']):.3f}" for n, v in t.items()]
+            to_torch, to_prev = paired(t, "torch"), paired(t, "gradsync-prev")
+            cells = [f"{n} {r:.3f}" for n, r in to_torch["paired_ratio"].items()]
             lines.append(f"{spec.name} accum {accum} load {load:.1f}->{os.getloadavg()[0]:.1f} torch "
-                         f"{1e3 * statistics.median(t['torch']):.0f} ms | " + " | ".join(cells)
-                         + f" | new/prev {paired(t['gradsync'], t['gradsync-prev']):.3f}")
+                         f"{to_torch['median_ms']['torch']:.0f} ms | " + " | ".join(cells)
+                         + f" | new/prev {to_prev['paired_ratio']['gradsync']:.3f}")
             print(lines[-1], flush=True)
     return lines
 

@@ -3,7 +3,8 @@
 Times the engine's own methods by wrapping them, so it runs against any gradsync version
 (``PYTHONPATH=<old checkout>/src`` measures the code before a change):
 
-    python benchmarks/sharded_breakdown.py --label before --out results/sharded_breakdown-before.json
+    python benchmarks/sharded/breakdown.py --label before --out /tmp/sharded-breakdown.json
+    python benchmarks/sharded/breakdown.py --label after --out /tmp/sharded-breakdown.json  # a second column
 """
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 import gradsync
+from gradsync.tools.bench.harness import RESULTS, record_stem
 from gradsync.tools.bench.models import ModelSpec, loss_fn
+from gradsync.tools.bench.sharding import MODELS, QUICK
 from gradsync.tools.launch import run_ranks
 
 PHASES = ["forward", "backward", "  copy into staging", "  launch (divide, issue; folds beyond max_inflight)",
@@ -44,20 +47,21 @@ def breakdown_rank(rank, world, spec: ModelSpec, accum: int, reps: int) -> dict:
     acc: dict = defaultdict(float)
     model = gradsync.ShardedDataParallel(spec.build(seed=0))
     opt = gradsync.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
-    reducer = model.reducer
-    _timed(reducer, "_copy_to_bucket", PHASES[2], acc)
-    _timed(reducer, "_launch", PHASES[3], acc)
-    _timed(reducer, "_fold", PHASES[4], acc)
+    reducer = model.reducer  # its public parts, wrapped on this instance
+    _timed(reducer.store, "copy_in", PHASES[2], acc)
+    _timed(reducer.launcher, "launch", PHASES[3], acc)
+    _timed(reducer.store, "fold", PHASES[4], acc)
     _timed(opt.optimizer, "step", PHASES[7], acc)
-    wait = reducer.wait
+    wait = reducer.plane.wait
 
     def timed_wait(handle, what):
         start = time.perf_counter()
         wait(handle, what)
-        key = PHASES[8] if "all-gather" in what else PHASES[5] if what == "the end-of-backward check" else None
+        key = PHASES[8] if "all-gather" in what else PHASES[4] if what.startswith("bucket") else \
+            PHASES[5] if what == "the end-of-backward check" else None
         if key:
             acc[key] += time.perf_counter() - start
-    reducer.wait = timed_wait
+    reducer.plane.wait = timed_wait
     samples: dict = defaultdict(list)
     for rep in range(reps + 2):
         acc.clear()
@@ -100,16 +104,21 @@ def table(results: dict[str, dict]) -> list[str]:
 
 
 def main(argv=None) -> None:
-    from sharded_speed import MODELS, RESULTS  # noqa: PLC0415  (the same models)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--label", default="after")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--out", type=Path, default=RESULTS / "sharded_breakdown.json", help="labels accumulate here")
+    p.add_argument("--out", type=Path, default=RESULTS / f"{record_stem('sharded-breakdown')}.json",
+                   help="labels accumulate here")
+    p.add_argument("--quick", action="store_true", help="tiny model, 1 step: a smoke test, not a measurement")
     args = p.parse_args(argv)
+    models = QUICK if args.quick else MODELS
+    if args.quick:
+        args.reps = 1
     record = json.loads(args.out.read_text()) if args.out.exists() else {"accum": args.accum, "runs": {}}
     record["runs"].setdefault(args.label, []).append(
-        {"reps": args.reps, "load": os.getloadavg(), "results": run(MODELS, args.accum, args.reps)})
+        {"reps": args.reps, "load": os.getloadavg(), "results": run(models, args.accum, args.reps)})
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=1))
     lines = ["# Where a sharded step's time goes (2 gloo ranks, AdamW, accumulation "
              f"{record['accum']}; medians over steps, rank 0)", "",

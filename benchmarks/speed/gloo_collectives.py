@@ -1,8 +1,9 @@
 """Gloo's collectives on one 32 MB fp32 tensor, 2 ranks: what a sharded bucket can use on CPU.
 
-Prints (issue ms, issue-to-done ms) medians per rank, max over ranks; results/gloo_collectives.md.
+Prints (issue ms, issue-to-done ms) medians per rank, max over ranks, as a markdown table
+(results/speed-gloo-collectives-*.md holds one run).
 
-    python benchmarks/gloo_collectives.py [numel] [world]
+    python benchmarks/speed/gloo_collectives.py [numel] [world] [reps]
 """
 import statistics
 import sys
@@ -51,13 +52,21 @@ def rank_fn(rank, world, n, reps):
     return {k: (1e3 * statistics.median(a), 1e3 * statistics.median(b)) for k, (a, b) in res.items()}
 
 
-if __name__ == "__main__":
-    n = int(float(sys.argv[1])) if len(sys.argv) > 1 else 8_000_000
-    world = int(sys.argv[2]) if len(sys.argv) > 2 else 2
-    per_rank = run_ranks(rank_fn, world, n, 9, timeout=600)
+def main(argv: list[str] | None = None) -> list[str]:
+    argv = sys.argv[1:] if argv is None else argv
+    n = int(float(argv[0])) if argv else 8_000_000
+    world = int(argv[1]) if len(argv) > 1 else 2
+    reps = int(argv[2]) if len(argv) > 2 else 9
+    per_rank = run_ranks(rank_fn, world, n, reps, timeout=600)
     ref = max(r["all_reduce (reference)"][1] for r in per_rank)
-    print(f"| collective ({n * 4 / 1e6:.0f} MB fp32, {world} gloo ranks) | issue ms | done ms | x all-reduce |")
-    print("|---|---|---|---|")
+    lines = [f"| collective ({n * 4 / 1e6:.0f} MB fp32, {world} gloo ranks) | issue ms | done ms | x all-reduce |",
+             "|---|---|---|---|"]
     for k in per_rank[0]:
         issue, done = max(r[k][0] for r in per_rank), max(r[k][1] for r in per_rank)
-        print(f"| {k} | {issue:.1f} | {done:.1f} | {done / ref:.2f} |")
+        lines.append(f"| {k} | {issue:.1f} | {done:.1f} | {done / ref:.2f} |")
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,14 @@
 """Fast where communication really costs: 2 ranks on an emulated cluster link.
 
-    python benchmarks/cluster.py                        # writes results/cluster.{json,md} (root: ip netns, tc)
-    python benchmarks/cluster.py --name cluster-repeat  # the second run
-    python benchmarks/cluster.py --quick --out /tmp/c   # tiny models, a few windows: a smoke test
+    python benchmarks/speed/cluster.py                       # results/speed-cluster-<N>cpu-<date>.{json,md} (root: ip netns, tc)
+    python benchmarks/speed/cluster.py --name NAME-repeat    # a second run
+    python benchmarks/speed/cluster.py --quick --out /tmp/c  # tiny models, a few windows: a smoke test
 
 Each rank runs in its own network namespace; a veth pair joins them and a token-bucket qdisc
 (``tc ... tbf rate 2gbit``) on both ends bounds what crosses it, as a NIC bounds a real cluster.
 gloo binds the veth (``GLOO_SOCKET_IFNAME``); the rendezvous is a ``file://`` store both
-namespaces see. The namespaces and the veth go away afterwards, also on an error or Ctrl-C.
+namespaces see. The namespaces and the veth go away afterwards, also on an error, Ctrl-C or SIGTERM
+(``gradsync.tools.bench.netns.link``).
 
 Models over the link: ``device-8x1024``, whose 8 layers hold full-size 1024x1024 weights but whose
 forward and backward are sleeps (2 ms and 4 ms a layer) around a cheap real gradient, so the CPU is
@@ -33,7 +34,6 @@ import contextlib
 import copy
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -42,55 +42,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-RESULTS = Path(__file__).resolve().parent / "results"
-ADDR = ("10.78.0.1", "10.78.0.2")  # only inside the namespaces
+from gradsync.tools.bench import netns
+from gradsync.tools.bench.harness import RESULTS, LoadWatch, machine_info, record_stem, write_record
 
-
-def link_names(tag: str) -> tuple[tuple[str, str], tuple[str, str]]:
-    """This run's namespaces and veth ends (a tag per run: two runs never touch each other's)."""
-    return (f"gs-clu-a{tag}", f"gs-clu-b{tag}"), (f"gs-va{tag}", f"gs-vb{tag}")
 TORCH_CAPS = (1.0, 2.0, 4.0, 8.0)  # torch's DDP at fixed caps besides its default 25 MiB
 LINK_MODELS, LOOP_MODELS = ["device-8x1024", "mlp-8.4M", "gpt-12M"], ["many-801"]
 QUICK_LINK, QUICK_LOOP = ["device-tiny"], ["many-tiny"]
-
-
-# ---------------------------------------------------------------- the emulated link
-def run(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-
-
-def netns_available() -> bool:
-    if os.geteuid() != 0:
-        return False
-    try:
-        return subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0 and \
-            subprocess.run(["tc", "-V"], capture_output=True).returncode == 0
-    except OSError:
-        return False
-
-
-def netns_up(rate: str, tag: str) -> None:
-    """Two namespaces joined by a veth pair, a token bucket of ``rate`` on each end's egress."""
-    NS, VETH = link_names(tag)
-    netns_down(tag)
-    for ns in NS:
-        run("ip", "netns", "add", ns)
-    run("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-    for ns, dev, addr in zip(NS, VETH, ADDR):
-        run("ip", "link", "set", dev, "netns", ns)
-        run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-        run("ip", "-n", ns, "link", "set", dev, "up")
-        run("ip", "-n", ns, "link", "set", "lo", "up")
-        run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", "256kb",
-            "latency", "10ms")
-
-
-def netns_down(tag: str) -> None:
-    for ns in link_names(tag)[0]:
-        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
-        subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)  # takes its veth end along
 
 
 # ---------------------------------------------------------------- models (worker side)
@@ -227,7 +184,7 @@ class Compute:
 def time_cell(rank: int, spec, accum: int, warmup: int, reps: int, quick: bool, trace_dir: str | None) -> dict:
     import torch
     import torch.distributed as dist
-    from gradsync.tools.bench.measure import _reduce, _window, round_order
+    from gradsync.tools.bench.harness import reduce_max, round_order, run_window
 
     base = spec.build(seed=0)
     engines = {name: make(copy.deepcopy(base)) for name, make in variants(quick).items()}
@@ -250,15 +207,15 @@ def time_cell(rank: int, spec, accum: int, warmup: int, reps: int, quick: bool, 
         elif name == "all-reduce":
             dist.all_reduce(flat)
         else:
-            _window(engines[name], spec, rank, rep, accum)
-        return _reduce([time.perf_counter() - start, *extra], dist.ReduceOp.MAX)
+            run_window(engines[name], spec, rank, rep, accum)
+        return reduce_max([time.perf_counter() - start, *extra])
 
     autos = [n for n in engines if "auto" in n]
     settle = 0
     for rep in range(warmup):
         for name in round_order(names, rep):
             one(name, rep)
-    while _reduce([float(any(engines[n].model.bucket_choice is None for n in autos))], dist.ReduceOp.MAX)[0]:
+    while reduce_max([float(any(engines[n].model.bucket_choice is None for n in autos))])[0]:
         settle += 1  # "auto" times its candidates: only its windows run until it chose
         for name in autos:
             one(name, warmup + settle)
@@ -272,7 +229,7 @@ def time_cell(rank: int, spec, accum: int, warmup: int, reps: int, quick: bool, 
     if trace_dir:  # one traced window of gradsync auto, outside the timing
         model = engines["gradsync auto"].model
         model.enable_comm_trace()
-        _window(engines["gradsync auto"], spec, rank, 10 ** 6, accum)
+        run_window(engines["gradsync auto"], spec, rank, 10 ** 6, accum)
         trace = str(Path(trace_dir) / f"cluster-{spec.name}-acc{accum}.trace.json")
         model.export_trace(trace)
         record = model.comm_trace[-1]
@@ -316,35 +273,32 @@ def run_pair(models: list[str], args: argparse.Namespace, namespaces: bool, work
     link = f"veth, tbf {args.rate}" if namespaces else "loopback"
     tag = "ns" if namespaces else "lo"
     store, result = work / f"store-{tag}", work / f"rows-{tag}.json"
-    procs, tag = [], str(os.getpid())
-    NS, VETH = link_names(tag)
-    try:
-        if namespaces:
-            netns_up(args.rate, tag)
+    procs = []
+    with contextlib.ExitStack() as stack:
+        net = stack.enter_context(netns.link("gs-clu", "10.78.0", rate=args.rate)) if namespaces else None
+        stack.callback(stop, procs)
         for rank in range(2):
             cmd = [sys.executable, __file__, "--worker", "--rank", str(rank), "--store", str(store), "--result",
                    str(result), "--link", link, "--reps", str(args.reps), "--warmup", str(args.warmup),
                    "--accum", *map(str, args.accum), "--models", *models] + (["--quick"] if args.quick else []) \
                 + (["--trace-dir", str(args.out)] if args.trace else [])
-            env = {**os.environ, "GLOO_SOCKET_IFNAME": VETH[rank] if namespaces else "lo",
-                   "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1] / "src"),
+            env = {**os.environ, **(net.env(rank) if net else {"GLOO_SOCKET_IFNAME": "lo"}),
+                   "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
                                                   os.environ.get("PYTHONPATH", "")])}
-            if namespaces:
-                cmd = ["ip", "netns", "exec", NS[rank], *cmd]
-            procs.append(subprocess.Popen(cmd, env=env))
+            procs.append(subprocess.Popen(net.exec(rank, cmd) if net else cmd, env=env))
         deadline = time.monotonic() + args.timeout
         while any(p.poll() is None for p in procs):
             if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
                 raise SystemExit(f"cluster: a worker failed or timed out ({[p.returncode for p in procs]})")
             time.sleep(0.2)
         return json.loads(result.read_text())
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        if namespaces:
-            netns_down(tag)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def summarize(row: dict) -> dict:
@@ -446,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--trace", action="store_true", help="write a Chrome trace of gradsync auto per cell")
     p.add_argument("--timeout", type=float, default=3600)
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--name", default="cluster")
+    p.add_argument("--name", help="file name stem (default: speed-cluster-<N>cpu-<date>)")
     p.add_argument("--quick", action="store_true", help="tiny models, 2 rounds: a smoke test, not a measurement")
     args = p.parse_args(argv)
     if args.worker:
@@ -456,31 +410,18 @@ def main(argv: list[str] | None = None) -> dict:
         args.reps, args.warmup = 2, 1
     link_models = args.models or (QUICK_LINK if args.quick else LINK_MODELS)
     loop_models = args.loop_models if args.loop_models is not None else (QUICK_LOOP if args.quick else LOOP_MODELS)
-    namespaces = not args.no_netns and netns_available()
-    args.out.mkdir(parents=True, exist_ok=True)
-
-    def stop(signum, frame):  # SIGTERM: the finally blocks remove the namespaces
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    start, load_before = time.time(), os.getloadavg()
-    try:
-        with tempfile.TemporaryDirectory(prefix="gradsync-cluster-") as work:
-            rows = (run_pair(link_models, args, namespaces, Path(work)) if link_models else []) + \
-                   (run_pair(loop_models, args, False, Path(work)) if loop_models else [])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    namespaces = not args.no_netns and netns.available()
+    args.name = args.name or record_stem("speed-cluster", args.quick)
+    with LoadWatch() as load, tempfile.TemporaryDirectory(prefix="gradsync-cluster-") as work:
+        rows = (run_pair(link_models, args, namespaces, Path(work)) if link_models else []) + \
+               (run_pair(loop_models, args, False, Path(work)) if loop_models else [])
     for r in rows:
         r["summary"] = summarize(r)
     import torch
-
-    from gradsync.tools.bench.run import machine_info
-    record = {"name": args.name, "machine": machine_info(), "torch": torch.__version__, "rate": args.rate,
-              "namespaces": namespaces, "netns_tag": str(os.getpid()), "reps": args.reps, "warmup": args.warmup, "load_before": load_before,
-              "load_after": os.getloadavg(), "seconds": time.time() - start, "quick": args.quick, "rows": rows}
-    (args.out / f"{args.name}.json").write_text(json.dumps(record, indent=1))
-    (args.out / f"{args.name}.md").write_text(report(record))
-    print(report(record))
+    record = {"scenario": "speed-cluster", "name": args.name, "machine": machine_info(), "torch": torch.__version__,
+              "rate": args.rate, "namespaces": namespaces, "netns_prefix": "gs-clu", "netns_tag": str(os.getpid()), "reps": args.reps,
+              "warmup": args.warmup, **load.as_record(), "quick": args.quick, "rows": rows}
+    write_record(args.out, args.name, record, report(record))
     return record
 
 

@@ -1,6 +1,6 @@
 """Measure Chunked's activation memory and the communication of each accumulation mode.
 
-    PYTHONPATH=src python benchmarks/chunked_memory.py [--quick]
+    python benchmarks/memory/chunked.py [--quick] [--out DIR]
 
 Part 1 (one process): peak tensor memory of forward+backward through a transformer MLP block, plain,
 under torch.utils.checkpoint, and under gradsync.Chunked with 2-16 chunks. Memory is counted
@@ -8,7 +8,7 @@ exactly by a dispatch mode that follows every tensor storage created during the 
 until its storage is freed), so the numbers do not depend on the allocator or on other load.
 Part 2 (2 local gloo ranks): collectives, bytes and time per accumulation window for no_sync,
 sync_each_batch, num_items and Chunked, side by side with torch's DDP under the same accumulator.
-Writes benchmarks/results/chunked_memory.json and .md.
+Writes results/memory-chunked-<N>cpu-<date>.json and .md (a --quick run writes nothing).
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import checkpoint
 
 import gradsync
+from gradsync.tools.bench.harness import RESULTS, LoadWatch, machine_info, record_stem, write_record
 from gradsync.tools.demo import make_model, spirals
 from gradsync.tools.launch import run_ranks
 
-RESULTS = Path(__file__).resolve().parent / "results"
 MiB = 2 ** 20
 
 
@@ -189,10 +189,9 @@ def comm_part(steps: int, windows: int, rows: int) -> dict:
     return table
 
 
-def write(memory: list[dict], comm: dict, config: dict) -> None:
-    RESULTS.mkdir(exist_ok=True)
-    data = {"config": config, "torch": torch.__version__, "memory": memory, "communication": comm}
-    (RESULTS / "chunked_memory.json").write_text(json.dumps(data, indent=1) + "\n")
+def write(out: Path, memory: list[dict], comm: dict, config: dict, load: LoadWatch) -> None:
+    data = {"scenario": "memory-chunked", "machine": machine_info(), "config": config, "torch": torch.__version__,
+            **load.as_record(), "memory": memory, "communication": comm}
     lines = ["# Chunked memory and accumulation communication", "",
              f"torch {torch.__version__}, CPU, config: `{json.dumps(config)}`", "",
              "## Forward+backward of an MLP block (peak tensor memory, one process)", "",
@@ -210,21 +209,22 @@ def write(memory: list[dict], comm: dict, config: dict) -> None:
         other = "n/a" if other is None else f"{other:g}"
         lines.append(f"| {name} | {r['bucket_collectives_per_window']:g} | {r['bucket_bytes_per_window']:.0f} | "
                      f"{other} | {r['gradient_memory_bytes'] or 'n/a'} | {r['ms_per_window']:.1f} |")
-    (RESULTS / "chunked_memory.md").write_text("\n".join(lines) + "\n")
+    write_record(out, record_stem("memory-chunked"), data, "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="small sizes, results not written (a smoke run)")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     config = (dict(rows=256, d=64, hidden=512, reps=2, steps=4, windows=3, micro_rows=16) if args.quick
               else dict(rows=4096, d=512, hidden=2048, reps=5, steps=4, windows=12, micro_rows=64))
-    memory = memory_part(config["rows"], config["d"], config["hidden"], config["reps"])
-    comm = comm_part(config["steps"], config["windows"], config["micro_rows"])
+    with LoadWatch() as load:
+        memory = memory_part(config["rows"], config["d"], config["hidden"], config["reps"])
+        comm = comm_part(config["steps"], config["windows"], config["micro_rows"])
     if not args.quick:
-        write(memory, comm, config)
-        print(f"wrote {RESULTS / 'chunked_memory.md'}")
+        write(args.out, memory, comm, config, load)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Elastic soak: 3 replicas, 200+ windows, a SIGKILL of a random replica every ~10 windows; every victim rejoins.
 
-    python benchmarks/elastic_soak.py                        # writes benchmarks/results/elastic_soak.{md,json}
-    python benchmarks/elastic_soak.py --samples 1200 --out /tmp/soak   # a short one
+    python benchmarks/elastic/soak.py                        # writes results/elastic-soak-<N>cpu-<date>.{md,json}
+    python benchmarks/elastic/soak.py --samples 1200 --out /tmp/soak   # a short one
+    python benchmarks/elastic/soak.py --namespaces           # root: two emulated machines (harness netns.link)
 
 ``gradsync run --replicas 3 --min-replicas 2 --max-restarts 100`` of this file (``--worker``).
 The data is an ``ElasticSampler`` over a seeded dataset (2 micro-steps of 4 samples per member and
@@ -26,6 +27,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gradsync.tools.bench import netns
+from gradsync.tools.bench.harness import RESULTS, machine_info, record_stem, write_record
 
 SEED, STEPS, MICRO, REPLICAS = 5, 2, 4, 3
 POINTS = ["forward", "local_backward", "during_reductions", "after_reductions", "optimizer_step"]
@@ -192,40 +196,6 @@ def verify(out: Path, samples: int, replicas: int = REPLICAS) -> dict:
     }
 
 
-NS, VETH, ADDR = ("gs-soak-a", "gs-soak-b"), ("gs-soak-va", "gs-soak-vb"), ("10.77.0.1", "10.77.0.2")
-
-
-def netns_up() -> None:
-    """Two namespaces joined by a veth pair, addresses only inside them."""
-    netns_down()
-    run = lambda *cmd: subprocess.run(cmd, check=True)  # noqa: E731
-    for ns in NS:
-        run("ip", "netns", "add", ns)
-    run("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-    for ns, dev, addr in zip(NS, VETH, ADDR):
-        run("ip", "link", "set", dev, "netns", ns)
-        run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-        run("ip", "-n", ns, "link", "set", dev, "up")
-        run("ip", "-n", ns, "link", "set", "lo", "up")
-
-
-def kill_namespace(ns: str) -> list[int]:
-    """SIGKILL every process in ``ns`` (a machine dying: its launcher and replicas); return their pids."""
-    out = subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()
-    for pid in out:
-        try:
-            os.kill(int(pid), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    return [int(p) for p in out]
-
-
-def netns_down() -> None:
-    for ns in NS:
-        kill_namespace(ns)
-        subprocess.run(["ip", "netns", "del", ns], stderr=subprocess.DEVNULL)
-
-
 def latest_window(work: Path) -> int:
     windows = [json.loads(line)[0] for f in work.glob("processed-*.jsonl") for line in f.read_text().splitlines()[-1:]]
     return max(windows, default=-1)
@@ -242,31 +212,28 @@ def namespace_soak(args: argparse.Namespace, work: Path) -> tuple[int, str, dict
     worker_args = [__file__, "--worker", "--out", str(work), "--samples", str(args.samples), "--sleep",
                    str(args.sleep), "--allowed", str(kill_at + 30), str(args.samples // 32 - 25)]
 
-    def launcher(i: int, tag: str) -> subprocess.Popen:
-        cmd = ["ip", "netns", "exec", NS[i], sys.executable, "-m", "gradsync.tools.cli", "run", "--machines", "2",
-               "--replicas", "2", "--min-replicas", "2", "--max-restarts", "100", "--coordinator",
-               f"{ADDR[0]}:{port}", *worker_args]
-        env = {**os.environ, "GLOO_SOCKET_IFNAME": VETH[i]}  # gloo's address: the namespace's veth
+    def launcher(net: netns.Link, i: int, tag: str) -> subprocess.Popen:
+        cmd = net.exec(i, [sys.executable, "-m", "gradsync.tools.cli", "run", "--machines", "2", "--replicas", "2",
+                           "--min-replicas", "2", "--max-restarts", "100", "--coordinator",
+                           f"{net.addresses[0]}:{port}", *worker_args])
+        env = {**os.environ, **net.env(i)}  # gloo's address: the namespace's veth
         return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=open(work / f"launcher-{tag}.log", "w"))
 
-    netns_up()
-    try:
-        a, b = launcher(0, "a"), launcher(1, "b")
+    with netns.link("gs-soak", "10.77.0") as net:
+        a, b = launcher(net, 0, "a"), launcher(net, 1, "b")
         deadline = time.monotonic() + 1500
         while latest_window(work) < kill_at:
             if a.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"the soak stopped before window {kill_at}; logs in {work}")
             time.sleep(0.05)
-        machine = {"time": time.time(), "window": latest_window(work), "pids": kill_namespace(NS[1])}
+        machine = {"time": time.time(), "window": latest_window(work), "pids": net.kill(1)}
         b.wait()
         time.sleep(8)  # the survivors leave the dead machine out after its heartbeat stood still 5 s
-        b2 = launcher(1, "b2")  # a new machine there: its replicas get new ids and join
+        b2 = launcher(net, 1, "b2")  # a new machine there: its replicas get new ids and join
         a.wait(timeout=1500)
         b2.wait(timeout=60)
         log = "".join((work / f"launcher-{t}.log").read_text() for t in ("a", "b", "b2"))
         return (0 if a.returncode == 0 and b2.returncode == 0 else 1), log, machine
-    finally:
-        netns_down()
 
 
 def main() -> None:
@@ -274,8 +241,8 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--samples", type=int, default=5400, help="dataset size: one epoch (24 samples a window with 3 members)")
     parser.add_argument("--sleep", type=float, default=0.25, help="seconds of stand-in compute per window")
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--name", default="elastic_soak")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--name", help="file name stem (default: elastic-soak[-namespaces]-<N>cpu-<date>)")
     parser.add_argument("--allowed", type=int, nargs=2, default=[0, 0], help=argparse.SUPPRESS)
     parser.add_argument("--machine-kill", type=int, default=40, help="with --namespaces: the window it happens")
     parser.add_argument("--namespaces", action="store_true",
@@ -300,10 +267,11 @@ def main() -> None:
     if code != 0:
         raise SystemExit(f"the soak failed ({code}); log in {work}/launcher.log:\n{log[-3000:]}")
     figures = verify(work, args.samples, replicas)
+    args.name = args.name or record_stem("elastic-soak-namespaces" if args.namespaces else "elastic-soak")
     figures.update(seconds=elapsed, load_before=load_before, load_after=os.getloadavg(), samples=args.samples,
                    sleep=args.sleep, machine_kill=machine, replicas=replicas,
                    membership_lines=[line for line in log.splitlines() if line.startswith("gradsync.elastic")])
-    write(Path(args.out), args.name, figures)
+    write(args.out, args.name, figures)
     ok = (figures["identical"] and figures["same_events"] and figures["max_abs_diff"] <= 1e-5
           and figures["processed"] == figures["distinct_processed"] and figures["lost_matches"])
     print(f"{'passed' if ok else 'FAILED'}: {len(figures['kills'])} kills, {figures['windows']} windows; "
@@ -313,8 +281,6 @@ def main() -> None:
 
 
 def write(out: Path, name: str, f: dict) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(f, indent=1, default=str))
 
     def spread(xs: list[float]) -> str:
         return f"median {statistics.median(xs):.3f} s, worst {max(xs):.3f} s" if xs else "none"
@@ -325,7 +291,7 @@ def write(out: Path, name: str, f: dict) -> None:
     lines = [
         title,
         "",
-        f"`python benchmarks/elastic_soak.py`, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load "
+        f"`python benchmarks/elastic/soak.py`, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, load "
         f"{f['load_before'][0]:.1f} before and {f['load_after'][0]:.1f} after; {f['seconds']:.0f} s in all. "
         f"{f['samples']} samples, one epoch, {f['windows']} windows ({STEPS} micro-steps of {MICRO} samples per "
         f"member and window, {f['sleep']} s of stand-in compute per window), AdamW.",
@@ -357,7 +323,7 @@ def write(out: Path, name: str, f: dict) -> None:
         f"window {w}: replica {r}, {n} samples" for w, r, n in f["lost"]) + ".", "",
         "The membership changes, as each member logged them (one line per change; shown once):", "", "```"]
     lines += sorted(set(f["membership_lines"]), key=f["membership_lines"].index) + ["```", ""]
-    (out / f"{name}.md").write_text("\n".join(lines))
+    write_record(out, name, {"scenario": name, "machine": machine_info(), **f}, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """torch.compile: torch's DDP + compile against gradsync + compile, step time and overlap (issue 15).
 
-    python benchmarks/compile_bench.py                        # 2 ranks, writes results/compile_bench.{json,md}
-    python benchmarks/compile_bench.py --quick --out /tmp    # tiny models, aot_eager: a smoke test
+    python benchmarks/speed/compile_bench.py                      # 2 ranks: results/speed-compile-<N>cpu-<date>.{json,md}
+    python benchmarks/speed/compile_bench.py --quick --out /tmp  # tiny models, aot_eager: a smoke test
 
 Both wrappers get identical copies of each model, the same data and bucket caps (25 MiB) and are
 compiled whole, ``torch.compile(wrapper)``; eager gradsync and eager torch run alongside. The four
@@ -13,23 +13,19 @@ when the first bucket launched, as a share of the backward call.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch._dynamo
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
+from gradsync.tools.bench.harness import (LoadWatch, describe, machine_info, paired, record_stem, time_variants,
+                                        timing_parser, write_record)
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine, loss_fn
 from gradsync.tools.bench.report import overlap
-from gradsync.tools.bench.run import machine_info
 from gradsync.tools.launch import run_ranks
-from paired import RESULTS, describe, paired, time_variants
 MODELS = [ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64),
           ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32)]
 KW = dict(view=False, set_to_none=True, lr=1e-3)
@@ -37,7 +33,7 @@ OVERLAP = [(MODELS[0], 25.0), (MODELS[1], 25.0), (MODELS[1], 4.0)]  # (model, bu
 
 
 def variants(backend: str, cap: float = 25.0) -> dict:
-    """Both wrappers, eager and compiled whole, as ``paired.time_variants`` builds them."""
+    """Both wrappers, eager and compiled whole, as ``harness.time_variants`` builds them."""
     def make(cls, compiled):
         def build(module):
             engine = cls(module, bucket_cap_mb=cap, **KW)
@@ -101,14 +97,8 @@ def summarize(times: dict[str, list[float]]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--world", type=int, default=2)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--accum", type=int, nargs="+", default=[1, 4])
+    p = timing_parser(__doc__, reps=15)
     p.add_argument("--backend", default="inductor")
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--quick", action="store_true", help="tiny models, aot_eager: a smoke test, not a measurement")
     args = p.parse_args(argv)
     models, overlaps = MODELS, OVERLAP
     if args.quick:
@@ -116,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         models = [ModelSpec(name="gpt-tiny", kind="gpt", width=64, depth=1, batch=1, seq=16),
                   ModelSpec(name="mlp-tiny", kind="mlp", width=32, depth=2, batch=4)]
         overlaps = [(models[1], 25.0)]  # torch + compile fails below 1 MiB (its first-bucket assert)
-    rows, load_before = [], os.getloadavg()
+    rows, load = [], LoadWatch()
     for spec in models:
         for accum in args.accum:
             times = run_ranks(time_rank, args.world, spec, accum, args.warmup, args.reps, args.backend,
@@ -127,13 +117,10 @@ def main(argv: list[str] | None = None) -> None:
         shares = run_ranks(overlap_rank, args.world, spec, cap, args.warmup, args.reps, args.backend, timeout=3600)
         rows.append({"model": spec.name, "bucket_cap_mb": cap, "overlap": shares[0]})
         print(spec.name, cap, "overlap", shares[0], flush=True)
-    record = {"machine": machine_info(), "world": args.world, "reps": args.reps, "warmup": args.warmup,
-              "backend": args.backend, "load_before": load_before, "load_after": os.getloadavg(),
-              "torch": torch.__version__, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compile_bench.json").write_text(json.dumps(record, indent=1))
-    (args.out / "compile_bench.md").write_text(report(record))
-    print(f"wrote {args.out / 'compile_bench.md'}")
+    record = {"scenario": "speed-compile", "machine": machine_info(), "world": args.world, "reps": args.reps,
+              "warmup": args.warmup, "backend": args.backend, **load.as_record(), "torch": torch.__version__,
+              "quick": args.quick, "rows": rows}
+    write_record(args.out, args.name or record_stem("speed-compile", args.quick), record, report(record))
 
 
 def report(record: dict) -> str:

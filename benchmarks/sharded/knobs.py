@@ -1,11 +1,11 @@
 """Peak RSS per rank of ShardedDataParallel at 4 MB buckets: max_inflight 1 or 2, staging pool on or off, and FSDP2.
 
-    python benchmarks/sharded_knobs.py   # prints a table; results/sharded_knobs.md holds one run
+    python benchmarks/sharded/knobs.py   # prints a table; results/sharded-knobs-*.md holds one run
 """
-import gradsync
 import torch
 
-import sharded_speed as S
+import gradsync
+from gradsync.tools.bench import sharding as S
 from gradsync.tools.launch import run_ranks
 
 
@@ -25,8 +25,7 @@ def main() -> None:
     print("| variant | " + " | ".join(spec.name for spec in S.MODELS) + " |")
     print("|---|" + "---|" * len(S.MODELS))
     for label, cls in variants.items():
-        S.ENGINES["knob"] = cls
-        peaks = [max(m["peak_mib"] for m in run_ranks(S.memory_rank, 2, spec, "knob", 2, 3, timeout=600))
+        peaks = [max(m["peak_mib"] for m in run_ranks(S.memory_rank, 2, spec, cls, 2, 3, timeout=600))
                  for spec in S.MODELS]
         print(f"| {label} | " + " | ".join(f"{p:.0f}" for p in peaks) + " |", flush=True)
 

@@ -1,13 +1,13 @@
 """``ShardedOptimizer(prefetch=True)`` against ``prefetch=False`` and torch's DDP.
 
 Prefetch lets ``step()`` return while the parameter all-gathers run, and the next forward waits
-for each bucket at first use. Alternating engines window by window (as ``sharded_speed.py``
+for each bucket at first use. Alternating engines window by window (as ``sharded/speed.py``
 does) would let those all-gathers finish for free while another engine runs, so here each engine
 runs a block of consecutive windows, timed through ``wait_for_params()`` at the block's end:
 the time a training loop of that many windows takes. Blocks take turns in a shuffled order
 each round; ratios are paired round by round.
 
-    python benchmarks/sharded_prefetch.py [--reps 11] [--block 4]   # -> results/sharded_prefetch.{json,md}
+    python benchmarks/sharded/prefetch.py [--reps 11] [--block 4]   # -> results/sharded-prefetch-<N>cpu-<date>.{json,md}
 """
 from __future__ import annotations
 
@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 import gradsync
-from gradsync.tools.bench.measure import round_order
-from gradsync.tools.bench.run import machine_info
+from gradsync.tools.bench.harness import (LoadWatch, machine_info, record_stem, reduce_max, round_order, run_window,
+                                        timing_parser, write_record)
+from gradsync.tools.bench.sharding import LR, MODELS, QUICK, Engine, TorchDDP
 from gradsync.tools.launch import run_ranks
-from sharded_speed import LR, MODELS, QUICK, Engine, TorchDDP, _max, _window, timing_args, write_record
 
 
 class Sharded(Engine):
@@ -57,10 +57,10 @@ def time_rank(rank, world, spec, accum, block, warmup, reps) -> dict:
             dist.barrier()
             start = time.perf_counter()
             for _ in range(block):
-                _window(engine, spec, rank, step[name], accum)
+                run_window(engine, spec, rank, step[name], accum)
                 step[name] += 1
             getattr(engine, "finish", lambda: None)()
-            wall = _max(time.perf_counter() - start) / block
+            wall = reduce_max([time.perf_counter() - start])[0] / block
             if rep >= warmup:
                 times[name].append(wall)
     sums = {n: sum(p.detach().double().sum().item() for p in e.model.parameters()) for n, e in engines.items()}
@@ -97,13 +97,14 @@ def report(record: dict) -> str:
 
 
 def main(argv=None) -> dict:
-    p = timing_args(__doc__, warmup=1)
+    p = timing_parser(__doc__, reps=11, warmup=1)
+    p.add_argument("--runs", type=int, default=2, help="whole timing runs, to see whether they agree")
     p.add_argument("--block", type=int, default=4, help="consecutive windows per engine turn")
     args = p.parse_args(argv)
     models = QUICK if args.quick else MODELS
     if args.quick:
         args.reps, args.warmup, args.runs, args.block = 1, 0, 1, 2
-    rows, load_before = [], os.getloadavg()
+    rows, load = [], LoadWatch()
     for run in range(args.runs):
         for spec in models:
             for accum in args.accum:
@@ -113,10 +114,11 @@ def main(argv=None) -> dict:
                              "load": os.getloadavg()[0], **summarize(res["times"])})
                 print(f"run {run + 1} {spec.name} accum {accum}: prefetch/sharded "
                       f"{rows[-1]['prefetch_to_sharded']:.3f}", flush=True)
-    record = {"machine": machine_info(), "torch": torch.__version__, "world": args.world, "reps": args.reps,
-              "warmup": args.warmup, "block": args.block, "runs": args.runs, "load_before": load_before,
-              "load_after": os.getloadavg(), "rows": rows}
-    return write_record(args, "sharded_prefetch", record, report)
+    record = {"scenario": "sharded-prefetch", "machine": machine_info(), "torch": torch.__version__,
+              "world": args.world, "reps": args.reps, "warmup": args.warmup, "block": args.block, "runs": args.runs,
+              **load.as_record(), "quick": args.quick, "rows": rows}
+    write_record(args.out, args.name or record_stem("sharded-prefetch", args.quick), record, report(record))
+    return record
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ The order of a group's engines is shuffled every round (seeded by the round, the
 window's time is the maximum over ranks, and ratios are paired round by round. Models: ``gradsync bench``'s
 (mlp-8.4M, gpt-12M) and its model of 194 tiny parameters, where per-parameter bookkeeping dominates.
 
-    python benchmarks/before_after.py [--base 7a4ad5f] [--reps 11] [--runs 2] [--wait-load 1.5]
-        # -> results/redesign_before_after.{json,md}; about 5 minutes on 2 idle cores (plus any waiting)
-    python benchmarks/before_after.py --models gpt-12M --accum 4 --reps 31 --runs 1 --stem NAME  # one row, closer
+    python benchmarks/speed/before_after.py [--base 7a4ad5f] [--reps 11] [--runs 2] [--wait-load 1.5]
+        # -> results/speed-before-after-<N>cpu-<date>.{json,md}; about 5 minutes on 2 idle cores (plus any waiting)
+    python benchmarks/speed/before_after.py --models gpt-12M --accum 4 --reps 31 --runs 1 --name NAME  # one row
 """
 from __future__ import annotations
 
@@ -36,18 +36,16 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import gradsync
-from gradsync.tools.bench.measure import _reduce, alternate
+from gradsync.tools.bench.harness import RESULTS, machine_info, quartiles, record_stem, reduce_max, write_record
+from gradsync.tools.bench.measure import alternate
 from gradsync.tools.bench.models import Engine, ModelSpec, TorchEngine
-from gradsync.tools.bench.run import full_plan, machine_info, quick_plan
+from gradsync.tools.bench.run import full_plan, quick_plan
 from gradsync.tools.launch import run_ranks
-from sharded_speed import write_record  # this script's folder is on sys.path when it runs
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES: dict[str, object] = {"after": gradsync}  # "before": gradsync_base, once exported
 SHARED_LOAD = 3.0  # a row whose 1-min load peaked above this shared the 2 cores with other jobs
 GROUPS = {"ddp": ["torch", "before", "before-again", "after"],
@@ -136,14 +134,9 @@ def time_rank(rank, world, spec: ModelSpec, names: list[str], accum: int, warmup
         engine.accum = accum  # the accumulator's window: the micro-steps alternate() runs per window
     res = alternate(engines, spec, rank, accum, warmup, reps)
     ref = [p.detach() for p in engines[names[1]].model.parameters()]  # every version trained on the same data
-    diff = {n: _reduce([max((a - b).abs().max().item() for a, b in zip(engines[n].model.parameters(), ref))],
-                       dist.ReduceOp.MAX)[0] for n in names[2:]}
+    diff = {n: reduce_max([max((a - b).abs().max().item() for a, b in zip(engines[n].model.parameters(), ref))])[0]
+            for n in names[2:]}
     return {**res, "max_param_diff": diff}
-
-
-def quartiles(xs: list[float]) -> list[float]:
-    s = sorted(xs)
-    return [s[len(s) // 4], s[(3 * len(s)) // 4]] if len(s) > 1 else [s[0], s[0]]
 
 
 def summarize(res: dict, names: list[str]) -> dict:
@@ -284,7 +277,7 @@ def main(argv=None) -> dict:
                    help="before each row, wait until the 1-minute load average is at most this")
     p.add_argument("--wait-most", type=float, default=600, help="seconds to wait for the load at most, per row")
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--stem", default="redesign_before_after")
+    p.add_argument("--name", help="file name stem (default: speed-before-after-<N>cpu-<date>)")
     p.add_argument("--quick", action="store_true", help="tiny models, 1 round: a smoke test, not a measurement")
     args = p.parse_args(argv)
     if args.quick:
@@ -315,11 +308,12 @@ def main(argv=None) -> dict:
                               f"(peak {load.peak:.1f}), waited {waited:.0f} s", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    rec = {"machine": machine_info(), "torch": torch.__version__, "world": args.world, "base": args.base,
+    rec = {"scenario": "speed-before-after", "quick": args.quick, "machine": machine_info(), "torch": torch.__version__, "world": args.world, "base": args.base,
            "code": code, "reps": args.reps, "warmup": args.warmup, "tiny_reps_factor": args.tiny_reps_factor,
            "runs": args.runs, "load_before": load_before, "load_after": os.getloadavg(), "wait_load": args.wait_load,
            "seconds": time.perf_counter() - start, "groups": list(args.groups), "rows": rows}
-    return write_record(args, args.stem, rec, report)
+    write_record(args.out, args.name or record_stem("speed-before-after", args.quick), rec, report(rec))
+    return rec
 
 
 if __name__ == "__main__":

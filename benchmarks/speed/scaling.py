@@ -1,7 +1,7 @@
 """Step time at 1, 2 and 4 ranks, and the bytes each rank sends per step against the ring minimum.
 
-    python benchmarks/scaling.py                      # writes results/scaling.{json,md}
-    python benchmarks/scaling.py --worlds 2 --reps 5 --out /tmp   # a quick look
+    python benchmarks/speed/scaling.py                      # results/speed-scaling-<N>cpu-<date>.{json,md}
+    python benchmarks/speed/scaling.py --worlds 2 --reps 5 --out /tmp   # a quick look
 
 Weak scaling: every rank keeps the same micro-batch, so ideal scaling keeps the step time flat.
 gradsync's DDP (gradient views), torch's DDP and gradsync with the two bf16 hooks take turns
@@ -12,19 +12,14 @@ gradient's bytes per rank, the minimum for fp32 gradients; the bf16 hooks send h
 """
 from __future__ import annotations
 
-import argparse
-import json
-import os
-from pathlib import Path
 
 import torch.distributed as dist
 
 import gradsync
-from gradsync.tools.bench.measure import _window
+from gradsync.tools.bench.harness import (LoadWatch, machine_info, paired, record_stem, run_window, time_variants,
+                                        timing_parser, write_record)
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine, count_params
-from gradsync.tools.bench.run import machine_info
 from gradsync.tools.launch import run_ranks
-from paired import RESULTS, paired, time_variants
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
           ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64)]
@@ -56,29 +51,25 @@ def time_rank(rank, world, spec, accum, warmup, reps, byte_windows=3) -> dict:
     sent = {}
     for name, make in VARIANTS.items():  # bytes one variant at a time, after a warm-up window
         engine = make(spec.build(seed=0))
-        _window(engine, spec, rank, 0, accum)
+        run_window(engine, spec, rank, 0, accum)
         dist.barrier()
         before = sent_bytes()
         for step in range(byte_windows):
-            _window(engine, spec, rank, step + 1, accum)
+            run_window(engine, spec, rank, step + 1, accum)
         sent[name] = (sent_bytes() - before) / byte_windows
         dist.barrier()
     return {"times": times, "sent": sent, "grad_bytes": 4 * count_params(spec.build(seed=0))}
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = timing_parser(__doc__, reps=15, accum=(1,))
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--accum", type=int, default=1)
-    p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--quick", action="store_true", help="tiny model, 1 window: a smoke test, not a measurement")
     args = p.parse_args(argv)
+    args.accum = args.accum[0]
     models = MODELS
     if args.quick:
         args.reps, args.warmup, models = 1, 1, QUICK
-    rows, load_before = [], os.getloadavg()
+    rows, load = [], LoadWatch()
     for spec in models:
         for world in args.worlds:
             ranks = run_ranks(time_rank, world, spec, args.accum, args.warmup, args.reps, timeout=1800)
@@ -91,12 +82,9 @@ def main(argv: list[str] | None = None) -> dict:
                          "raw": own["raw"]})
             print(f"{spec.name} W={world}: " + ", ".join(f"{n} {t:.1f} ms" for n, t in own["median_ms"].items()),
                   flush=True)
-    record = {"machine": machine_info(), "accum": args.accum, "reps": args.reps, "warmup": args.warmup,
-              "load_before": load_before, "load_after": os.getloadavg(), "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "scaling.json").write_text(json.dumps(record, indent=1))
-    (args.out / "scaling.md").write_text(report(record))
-    print(f"wrote {args.out / 'scaling.md'}")
+    record = {"scenario": "speed-scaling", "machine": machine_info(), "accum": args.accum, "reps": args.reps,
+              "warmup": args.warmup, **load.as_record(), "quick": args.quick, "rows": rows}
+    write_record(args.out, args.name or record_stem("speed-scaling", args.quick), record, report(record))
     return record
 
 

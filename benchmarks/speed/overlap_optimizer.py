@@ -13,7 +13,7 @@ import torch
 
 import gradsync
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine
-from paired import describe, main as paired_main, paired, time_variants
+from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark, time_variants
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
           ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64)]
@@ -51,7 +51,7 @@ def time_rank(rank, world, spec, accum, warmup, reps) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     quick = [ModelSpec(name="gpt-tiny", kind="gpt", width=64, depth=1, batch=2, seq=8)]
-    return paired_main("overlap_optimizer", __doc__, MODELS, quick, time_rank, lambda t: paired(t, "torch"),
+    return run_paired_benchmark("speed-overlap-optimizer", __doc__, MODELS, quick, time_rank, lambda t: paired(t, "torch"),
                        report, argv, reps=15)
 
 
