@@ -1,7 +1,7 @@
 """``bucket_cap_mb="auto"`` against fixed caps and torch's DDP.
 
-    python benchmarks/auto_cap.py                      # writes results/auto_cap.{json,md}
-    python benchmarks/auto_cap.py --reps 3 --out /tmp  # a quick look
+    python benchmarks/speed/auto_cap.py                 # writes results/speed-auto-cap-<N>cpu-<date>.{json,md}
+    python benchmarks/speed/auto_cap.py --reps 3 --out /tmp  # a quick look
 
 AdamW on identical model copies, variants taking turns window by window (``paired.py``): torch's
 DDP, and gradsync's DDP with gradient views (the recommended settings) at 25 MiB (torch's

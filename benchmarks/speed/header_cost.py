@@ -1,7 +1,7 @@
 """What the phase headers (divergence detection, ``gradsync/core/header.py``) cost per step.
 
-    python benchmarks/header_cost.py                       # 2 ranks, writes results/header_cost.{json,md}
-    python benchmarks/header_cost.py --reps 5 --out /tmp   # a quick look
+    python benchmarks/speed/header_cost.py                 # 2 ranks: results/speed-header-cost-<N>cpu-<date>.{json,md}
+    python benchmarks/speed/header_cost.py --reps 5 --out /tmp   # a quick look
 
 gradsync's DDP with headers, the same model with ``reducer.plane.headers = False`` and torch's
 DDP, all three with gradient views, take turns window by window (the order is shuffled each round), on identical copies of each model. A synced

@@ -1,7 +1,7 @@
 """The optimizer overlapped with communication (``gradsync.overlap_optimizer``) against the plain loop.
 
-    python benchmarks/overlap_optimizer.py                      # writes results/overlap_optimizer.{json,md}
-    python benchmarks/overlap_optimizer.py --reps 3 --out /tmp  # a quick look
+    python benchmarks/speed/overlap_optimizer.py                 # results/speed-overlap-optimizer-<N>cpu-<date>.{json,md}
+    python benchmarks/speed/overlap_optimizer.py --reps 3 --out /tmp  # a quick look
 
 AdamW on identical model copies; variants take turns window by window (``paired.py``): torch's
 DDP, gradsync's DDP, gradsync with ``gradient_as_bucket_view=True``, and both of those with the
