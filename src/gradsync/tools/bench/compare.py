@@ -70,7 +70,7 @@ def compare(before: dict, after: dict, tolerance: float = 0.03) -> tuple[str, li
         bands = [x for x in (a[key]["band"], b[key]["band"]) if x is not None]
         noise = max(bands) if bands else None
         limit = max(noise or 0.0, tolerance)
-        for name in [n for n in a[key]["ratios"] if n in b[key]["ratios"]]:
+        for name in [n for n in a[key]["ratios"] if n in b[key]["ratios"] and not any(m in n for m in AA_MARKS)]:
             x, y = a[key]["ratios"][name], b[key]["ratios"][name]
             change = y / x if x else float("nan")
             verdict = "within noise" if abs(change - 1) <= limit else ("slower" if change > 1 else "faster")
