@@ -35,6 +35,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import gradsync
+    from gradsync.layers.elastic import StoreMembership
 
     me = int(os.environ["GRADSYNC_REPLICA_ID"])
     victim = me == args.victim
@@ -74,12 +75,12 @@ def worker(args: argparse.Namespace) -> None:
             return all_reduce(*a, **k)
         dist.all_reduce = counted
     if victim and args.point == "after_reductions":
-        membership = gradsync.layers.elastic.StoreMembership
+        membership = StoreMembership
         commit = membership.commit
         membership.commit = lambda self, sync: (die("after_reductions") if at("after_reductions", STEPS - 1)
                                                 else commit(self, sync))
     if not args.plain and args.victim < 0:  # time each vote: the store round trips membership adds
-        membership, votes = gradsync.layers.elastic.StoreMembership, []
+        membership, votes = StoreMembership, []
         commit = membership.commit
 
         def timed(self, sync):

@@ -71,6 +71,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import gradsync
+    from gradsync.layers.elastic import StoreMembership, membership as current_membership
 
     me, restart = int(os.environ["GRADSYNC_REPLICA_ID"]), int(os.environ["GRADSYNC_RESTART"])
     out = Path(args.out)
@@ -105,7 +106,7 @@ def worker(args: argparse.Namespace) -> None:
                 die("during_reductions")
         return all_reduce(*a, **k)
     dist.all_reduce = counted
-    membership = gradsync.layers.elastic.StoreMembership
+    membership = StoreMembership
     commit = membership.commit
     membership.commit = lambda self, sync: die("after_reductions") if at("after_reductions") else commit(self, sync)
 
@@ -136,7 +137,7 @@ def worker(args: argparse.Namespace) -> None:
             record["steps"].append([w, time.time()])
             step_log.write(json.dumps([me, restart, w, time.time()]) + "\n")
             step_log.flush()
-    m = gradsync.layers.elastic.membership()
+    m = current_membership()
     record.update(events=[e.__dict__ for e in gradsync.elastic.events()], members=gradsync.elastic.members(),
                   lost=sampler.lost, join_waits=m.join_waits, bytes_per_join=m.bytes_per_join, windows=acc.windows)
     torch.save({"params": [p.detach().clone() for p in net.parameters()], **record}, out / f"final-{me}.pt")
