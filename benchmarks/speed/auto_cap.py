@@ -12,7 +12,7 @@ to torch's DDP.
 from __future__ import annotations
 
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine
-from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark, time_variants
+from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark, time_variants, with_aa
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
           ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64)]
@@ -30,7 +30,7 @@ def time_rank(rank, world, spec, accum, warmup, reps) -> dict:
                 "gradsync 25 MiB": lambda m: GradsyncEngine(m, bucket_cap_mb=25.0, view=True, **kw),
                 "gradsync 4 MiB": lambda m: GradsyncEngine(m, bucket_cap_mb=4.0, view=True, **kw),
                 "gradsync auto": make_auto}
-    times = time_variants(rank, world, spec, variants, accum, warmup, reps)
+    times = time_variants(rank, world, spec, with_aa(variants, "torch"), accum, warmup, reps)
     return {"times": times, "choice": auto[0].model.bucket_choice}
 
 
@@ -49,7 +49,8 @@ def report(record: dict) -> str:
     names = list(rows[0]["paired_ratio"])
     lines = ["# Automatic bucket cap (`bucket_cap_mb=\"auto\"`)", "",
              describe(record, ", AdamW, gradsync with gradient views") + " Paired ratio = median over rounds of "
-             "(variant / torch's DDP); noise = median difference between consecutive windows of torch's DDP.", "",
+             "(variant / torch's DDP); noise = median difference between consecutive windows of torch's DDP; "
+             "*torch A/A*: torch's DDP again on its own copy, the ratio noise alone gives.", "",
              "| model | accum | torch window (ms) | noise (ms) | " + " | ".join(names[1:]) + " | auto chose |",
              "|---|---|---|---|" + "---|" * len(names)]
     for r in rows:

@@ -13,7 +13,7 @@ import torch
 
 import gradsync
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine
-from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark, time_variants
+from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark, time_variants, with_aa
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
           ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64)]
@@ -46,7 +46,7 @@ def time_rank(rank, world, spec, accum, warmup, reps) -> dict:
                 "gradsync + overlap": lambda m: Overlapped(m, view=False, **kw),
                 "gradsync views": lambda m: GradsyncAdamW(m, view=True, **kw),
                 "gradsync views + overlap": lambda m: Overlapped(m, view=True, **kw)}
-    return time_variants(rank, world, spec, variants, accum, warmup, reps)
+    return time_variants(rank, world, spec, with_aa(variants, "torch"), accum, warmup, reps)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -60,7 +60,8 @@ def report(record: dict) -> str:
     names = list(rows[0]["paired_ratio"])
     lines = ["# Optimizer overlapped with communication (AdamW)", "",
              describe(record) + " Paired ratio = median over rounds of (variant / torch's DDP); noise = median difference between "
-             "consecutive windows of torch's DDP.", "",
+             "consecutive windows of torch's DDP; *torch A/A*: torch's DDP again on its own copy, the ratio "
+             "noise alone gives.", "",
              "| model | accum | torch window (ms) | noise (ms) | " + " | ".join(names[1:]) + " |",
              "|---|---|---|---|" + "---|" * (len(names) - 1)]
     for r in rows:

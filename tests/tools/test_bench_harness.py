@@ -37,9 +37,10 @@ def test_record_names_say_what_where_and_when(tmp_path):
 def test_time_variants_alternates_every_variant():
     spec = ModelSpec(name="mlp-tiny", kind="mlp", width=16, depth=2, batch=2)
     kw = dict(bucket_cap_mb=25.0, view=None, set_to_none=True, lr=1e-3)
-    variants = {"torch": lambda m: TorchEngine(m, **kw), "gradsync": lambda m: GradsyncEngine(m, **kw)}
+    variants = harness.with_aa({"torch": lambda m: TorchEngine(m, **kw), "gradsync": lambda m: GradsyncEngine(m, **kw)},
+                               "torch")
     times = run_ranks(harness.time_variants, 2, spec, variants, 2, 1, 3)[0]
-    assert set(times) == {"torch", "gradsync"} and all(len(t) == 3 and min(t) > 0 for t in times.values())
+    assert set(times) == {"torch", "gradsync", "torch A/A"} and all(len(t) == 3 and min(t) > 0 for t in times.values())
 
 
 def record(ratios_by_row, raw=None):

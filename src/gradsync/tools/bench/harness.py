@@ -33,7 +33,7 @@ import torch
 from .measure import mmap_large_allocations, reduce_values, reset_peak_rss, round_order, run_window, status_kib
 from .models import Engine, ModelSpec
 
-__all__ = ["RESULTS", "round_order", "run_window", "reduce_values", "reduce_max", "time_variants", "paired",
+__all__ = ["RESULTS", "round_order", "run_window", "reduce_values", "reduce_max", "time_variants", "with_aa", "paired",
            "quartiles", "spread", "describe", "machine_info", "LoadWatch", "record_stem", "write_record",
            "timing_parser", "run_paired_benchmark", "status_kib", "reset_peak_rss", "mmap_large_allocations"]
 
@@ -68,6 +68,14 @@ def time_variants(rank: int, world: int, spec: ModelSpec, variants: dict[str, Ca
             if rep >= warmup:
                 times[name].append(wall)
     return times
+
+
+def with_aa(variants: dict[str, Callable], reference: str) -> dict[str, Callable]:
+    """``variants`` plus ``"<reference> A/A"``: the reference again, on its own model copy.
+
+    Its paired ratio to the reference is what noise alone gives (``compare`` reads it as the band).
+    """
+    return {**variants, f"{reference} A/A": variants[reference]}
 
 
 # ---------------------------------------------------------------- statistics
