@@ -234,6 +234,11 @@ def test_sharded_breakdown_quick_run(tmp_path):
     assert "| phase (ms, rank 0) |" in out.with_suffix(".md").read_text()
 
 
+def test_sharded_knobs_quick_run():
+    lines = load("sharded/knobs").main(["--quick"])
+    assert len(lines) == 2 + 5 and lines[-1].startswith("| FSDP2")  # header, 4 knob settings and FSDP2
+
+
 # ---------------------------------------------------------------- the suite's shape
 QUESTIONS = ("speed", "sharded", "memory", "accuracy", "elastic")
 
