@@ -58,7 +58,7 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
 
 
 def known_allocation_growth() -> tuple[int, float]:
-    bench_measure._mmap_large_allocations()
+    bench_measure.mmap_large_allocations()
     before = bench_measure.status_kib("VmRSS")
     big = torch.ones(16 * 2**20)  # 64 MiB, touched
     del big

@@ -1,32 +1,38 @@
-"""The stand-alone benchmark scripts still run (tiny sizes; nothing timed, nothing asserted on speed)."""
+"""The benchmark scripts still run (tiny sizes; nothing timed, nothing asserted on speed), and the suite
+keeps its shape: folders by question, one harness, no private gradsync names, no script importing another."""
+import ast
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from gradsync.tools.bench import netns
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load(name):
-    spec = importlib.util.spec_from_file_location(f"benchmark_{name}", BENCHMARKS / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"benchmark_{name.replace('/', '_')}", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_chunked_memory_quick_run(capfd):
-    load("chunked_memory").main(["--quick"])
+    load("memory/chunked").main(["--quick"])
     out = capfd.readouterr().out
     assert "Chunked(4)" in out and "gradsync no_sync" in out
 
 
 def test_hook_accuracy_writes_a_table(tmp_path):
-    load("hook_accuracy").main(["--steps", "3", "--out", str(tmp_path)])
-    (report,) = tmp_path.glob("hook-accuracy-*.md")
+    load("accuracy/hooks").main(["--steps", "3", "--out", str(tmp_path)])
+    (report,) = tmp_path.glob("accuracy-hooks-*cpu-*.md")
+    assert len(json.loads(next(tmp_path.glob("accuracy-hooks-*.json")).read_text())["rows"]) == 3
     rows = {line.split("|")[1].strip(): line for line in report.read_text().splitlines()
             if line.startswith("| ") and line.split("|")[1].strip() != "hook"}
     assert float(rows["none (fp32 all-reduce)"].split("|")[2]) == 0.0
@@ -38,7 +44,7 @@ def test_hook_accuracy_writes_a_table(tmp_path):
 def test_sharded_memory_quick_run():
     # a subprocess: the script re-executes itself to set glibc's mmap threshold before start-up
     env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_memory.py"), "--quick"], env=env,
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "memory" / "sharded.py"), "--quick"], env=env,
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     table = [line for line in done.stdout.splitlines() if line.startswith("| ")]
@@ -46,34 +52,44 @@ def test_sharded_memory_quick_run():
 
 
 def test_bf16_accuracy_quick_run(tmp_path):
-    record = load("bf16_accuracy").main(["--ranks", "2", "--accumulation", "4", "--windows", "1",
+    record = load("accuracy/bf16").main(["--ranks", "2", "--accumulation", "4", "--windows", "1",
                                          "--loss-steps", "0", "--out", str(tmp_path)])
     errors = {r["row"][:3]: r["accumulation_error"] for r in record["rows"]}
-    assert errors["(c)"] * 100 <= errors["(a)"] and (tmp_path / "bf16_accuracy.md").exists()
+    assert errors["(c)"] * 100 <= errors["(a)"] and (tmp_path / f"{record['stem']}.md").exists()
+    assert record["stem"].startswith("accuracy-bf16-") and len(record["load_before"]) == 3
 
 
-def run_script(name, tmp_path):
-    # a subprocess: the scripts import their neighbour benchmarks/paired.py
+def record_of(tmp_path, scenario):
+    """The one record a quick run wrote: its dated, self-explaining name, JSON and markdown."""
+    (path,) = tmp_path.glob(f"{scenario}-*cpu-*-quick.json")
+    assert re.fullmatch(rf"{scenario}-\d+cpu-\d{{4}}-\d\d-\d\d-quick\.json", path.name)
+    return json.loads(path.read_text()), path.with_suffix(".md").read_text()
+
+
+def run_script(name, tmp_path, scenario):
+    # a subprocess, as the scripts are run
     env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
     done = subprocess.run([sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--accum", "1",
                            "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
-    return (tmp_path / f"{name}.md").read_text()
+    record, report = record_of(tmp_path, scenario)
+    assert record["scenario"] == scenario and len(record["load_before"]) == len(record["load_after"]) == 3
+    return report
 
 
 def test_header_cost_quick_run(tmp_path):
-    table = [line for line in run_script("header_cost", tmp_path).splitlines() if line.startswith("| mlp-tiny")]
+    table = [line for line in run_script("speed/header_cost", tmp_path, "speed-header-cost").splitlines() if line.startswith("| mlp-tiny")]
     assert len(table) == 2  # with and without buffers
 
 
 def test_overlap_optimizer_quick_run(tmp_path):
-    report = run_script("overlap_optimizer", tmp_path)
+    report = run_script("speed/overlap_optimizer", tmp_path, "speed-overlap-optimizer")
     assert "gradsync views + overlap" in report and report.count("| gpt-tiny | 1 |") == 1
 
 
 def test_auto_cap_quick_run(tmp_path):
-    report = run_script("auto_cap", tmp_path)
-    record = json.loads((tmp_path / "auto_cap.json").read_text())
+    report = run_script("speed/auto_cap", tmp_path, "speed-auto-cap")
+    record = record_of(tmp_path, "speed-auto-cap")[0]
     choice = record["rows"][0]["choice"]
     # gpt-tiny fits one bucket at every candidate cap: chosen without timing
     assert choice is not None and choice["bucket_cap_mb"] == choice["default_mb"] and choice["measured_ms"] == {}
@@ -81,13 +97,13 @@ def test_auto_cap_quick_run(tmp_path):
 
 
 def test_compile_bench_quick_run(tmp_path):
-    report = run_script("compile_bench", tmp_path)
+    report = run_script("speed/compile_bench", tmp_path, "speed-compile")
     assert report.count("| gpt-tiny | 1 |") == 1 and "| mlp-tiny | 25 | gradsync+compile |" in report
 
 
 def test_many_params_quick_run(tmp_path):
-    report = run_script("many_params", tmp_path)
-    record = json.loads((tmp_path / "many_params.json").read_text())
+    report = run_script("speed/many_params", tmp_path, "speed-many-params")
+    record = record_of(tmp_path, "speed-many-params")[0]
     (row,) = record["rows"]
     assert set(row["paired_ratio"]) == {"torch", "torch-views", "gradsync", "gradsync-copy", "gradsync-acc"}
     assert report.count("| blocks-4x(16+ln) | 1 |") == 2  # medians, then ratios with their spread
@@ -95,8 +111,8 @@ def test_many_params_quick_run(tmp_path):
 
 
 def test_scaling_quick_run(tmp_path):
-    report = run_script("scaling", tmp_path)
-    record = json.loads((tmp_path / "scaling.json").read_text())
+    report = run_script("speed/scaling", tmp_path, "speed-scaling")
+    record = record_of(tmp_path, "speed-scaling")[0]
     assert [r["world"] for r in record["rows"]] == [1, 2, 4] and report.count("| mlp-tiny | 4 |") == 2
     one, two = record["rows"][0]["sent_per_rank"], record["rows"][1]["sent_per_rank"]
     assert all(v == 0 for v in one.values())  # one rank sends nothing
@@ -106,12 +122,13 @@ def test_scaling_quick_run(tmp_path):
 
 def test_sharded_prefetch_quick_run(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "sharded_prefetch.py"), "--quick", "--accum", "2",
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "sharded" / "prefetch.py"), "--quick", "--accum", "2",
                            "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-2000:]
-    (row,) = json.loads((tmp_path / "sharded_prefetch-quick.json").read_text())["rows"]
+    record, report = record_of(tmp_path, "sharded-prefetch")
+    (row,) = record["rows"]
     assert row["param_sums"]["sharded-prefetch"] == row["param_sums"]["sharded"]  # same training, only earlier
-    assert (tmp_path / "sharded_prefetch-quick.md").read_text().count("| mlp-tiny | 2 |") == 1
+    assert report.count("| mlp-tiny | 2 |") == 1
 
 
 def test_before_after_quick_run(tmp_path):
@@ -119,18 +136,17 @@ def test_before_after_quick_run(tmp_path):
     if subprocess.run(["git", "-C", str(BENCHMARKS.parent), "cat-file", "-e", "7a4ad5f^{commit}"]).returncode:
         pytest.skip("the baseline commit is not in this checkout's history")
     env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "before_after.py"), "--quick", "--accum", "1",
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "speed" / "before_after.py"), "--quick", "--accum", "1",
                            "--models", "mlp-tiny", "--runs", "2", "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    record = json.loads((tmp_path / "redesign_before_after-quick.json").read_text())
+    record, report = record_of(tmp_path, "speed-before-after")
     assert sorted((r["group"], r["run"]) for r in record["rows"]) == [(g, run) for g in ("acc", "ddp", "sharded")
                                                                          for run in (1, 2)]
     assert record["code"]["before_file"] != record["code"]["after_file"]  # two different packages were timed
     for row in record["rows"]:  # the A/A pair trains identically (same code, same data): nothing about speed
         again = {"ddp": "before-again", "sharded": "sharded-before-again", "acc": "acc-before-again"}[row["group"]]
         assert row["max_param_diff"][again] == 0
-    report = (tmp_path / "redesign_before_after-quick.md").read_text()
     assert report.count("| mlp-tiny | 1 | ddp |") == 3 and "## Do the runs agree?" in report  # 2 runs + agreement
 
 
@@ -142,7 +158,7 @@ def elastic_script(tmp_path, script, *args, timeout=300):
 
 def test_elastic_soak_short_run(tmp_path):
     """The soak's own checks pass on a short run: two kills, two rejoins, nothing seen twice, exact."""
-    done = elastic_script(tmp_path, "elastic_soak.py", "--samples", "1500", "--sleep", "0.2", "--name", "soak")
+    done = elastic_script(tmp_path, "elastic/soak.py", "--samples", "1500", "--sleep", "0.2", "--name", "soak")
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     figures = json.loads((tmp_path / "soak.json").read_text())
     assert len(figures["kills"]) >= 1 and len(figures["join_pause_s"]) >= 1  # how many: the machine's load decides
@@ -154,7 +170,7 @@ def test_elastic_soak_short_run(tmp_path):
 def test_elastic_soak_on_two_network_namespaces(tmp_path):
     if os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode:
         pytest.skip("needs root and ip netns")
-    done = elastic_script(tmp_path, "elastic_soak.py", "--namespaces", "--samples", "4000", "--sleep", "0.2",
+    done = elastic_script(tmp_path, "elastic/soak.py", "--namespaces", "--samples", "4000", "--sleep", "0.2",
                           "--name", "ns", timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     figures = json.loads((tmp_path / "ns.json").read_text())
@@ -164,28 +180,28 @@ def test_elastic_soak_on_two_network_namespaces(tmp_path):
 
 @pytest.mark.slow
 def test_elastic_recovery_quick_run(tmp_path):
-    done = elastic_script(tmp_path, "elastic_recovery.py", "--kills", "2", "--pairs", "1", "--name", "er")
+    done = elastic_script(tmp_path, "elastic/recovery.py", "--kills", "2", "--pairs", "1", "--name", "er")
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads((tmp_path / "er.json").read_text())
     assert len(data["kills"]) == 2 and all(k["latency_s"] < 30 for k in data["kills"])
 
 
 def test_noise_scale_cost_quick_run(tmp_path):
-    done = elastic_script(tmp_path, "noise_scale_cost.py", "--reps", "2", "--warmup", "0", "--runs", "1",
-                          "--accum", "2", "--width", "64", "--stem", "ns")
+    done = elastic_script(tmp_path, "speed/noise_scale_cost.py", "--reps", "2", "--warmup", "0", "--runs", "1",
+                          "--accum", "2", "--width", "64", "--name", "ns")
     assert done.returncode == 0, done.stderr[-2000:]
-    (run,) = json.loads((tmp_path / "ns.json").read_text())
+    (run,) = json.loads((tmp_path / "ns.json").read_text())["runs"]
     assert set(run["median_ms"]) == {"off", "off-again", "noise_scale"} and len(run["noise_ratios"]) == 2
 
 
 def test_cluster_quick_run(tmp_path):
-    """benchmarks/cluster.py: 2 ranks in network namespaces over a rate-limited veth where this runs as
+    """benchmarks/speed/cluster.py: 2 ranks in network namespaces over a rate-limited veth where this runs as
     root (loopback otherwise), then a many-parameter model on loopback; the namespaces are gone after."""
     env = dict(os.environ, PYTHONPATH=str(BENCHMARKS.parent / "src"))
-    done = subprocess.run([sys.executable, str(BENCHMARKS / "cluster.py"), "--quick", "--accum", "1", "--out",
-                           str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(BENCHMARKS / "speed" / "cluster.py"), "--quick", "--accum", "1",
+                           "--out", str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    record = json.loads((tmp_path / "cluster.json").read_text())
+    record, report = record_of(tmp_path, "speed-cluster")
     assert [(r["model"], r["accum"]) for r in record["rows"]] == [("device-tiny", 1), ("many-tiny", 1)]
     assert record["rows"][0]["link"].startswith("veth" if record["namespaces"] else "loopback")
     assert record["rows"][1]["link"] == "loopback" and len(record["load_before"]) == 3
@@ -196,8 +212,78 @@ def test_cluster_quick_run(tmp_path):
         assert len(row["limit"]) == record["reps"] and row["choice"]["gradsync auto"] is not None
         assert {"auto / torch", "auto / torch best", "auto / limit", "bf16_wire / auto", "A/A"} <= set(
             row["summary"]["ratio"])
-    report = (tmp_path / "cluster.md").read_text()
     assert "| device-tiny |" in report and "| many-tiny | loopback | 1 |" in report
     if record["namespaces"]:
-        left = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        left = netns.existing()
         assert f"gs-clu-a{record['netns_tag']}" not in left and f"gs-clu-b{record['netns_tag']}" not in left
+
+
+def test_gloo_collectives_quick_run(capfd):
+    lines = load("speed/gloo_collectives").main(["4096", "2", "1"])
+    assert lines[0].startswith("| collective") and any("reduce_scatter_single" in line for line in lines)
+
+
+def test_sharded_breakdown_quick_run(tmp_path):
+    out = tmp_path / "breakdown.json"
+    for label in ("before", "after"):  # labels accumulate in one record, a column each
+        load("sharded/breakdown").main(["--quick", "--label", label, "--out", str(out)])
+    record = json.loads(out.read_text())
+    assert set(record["runs"]) == {"before", "after"}
+    phases = record["runs"]["after"][0]["results"]["mlp-tiny"][0]
+    assert phases["  copy into staging"] > 0 and phases["  launch (divide, issue; folds beyond max_inflight)"] > 0
+    assert "| phase (ms, rank 0) |" in out.with_suffix(".md").read_text()
+
+
+def test_sharded_knobs_quick_run():
+    lines = load("sharded/knobs").main(["--quick"])
+    assert len(lines) == 2 + 5 and lines[-1].startswith("| FSDP2")  # header, 4 knob settings and FSDP2
+
+
+# ---------------------------------------------------------------- the suite's shape
+QUESTIONS = ("speed", "sharded", "memory", "accuracy", "elastic")
+
+
+def scripts() -> list[Path]:
+    return sorted(p for p in BENCHMARKS.rglob("*.py") if "results" not in p.parts)
+
+
+def test_scripts_live_in_folders_named_for_their_question():
+    top = [p.name for p in BENCHMARKS.glob("*.py")]
+    assert len(top) <= 3, top
+    assert {p.parent.name for p in scripts() if p.parent != BENCHMARKS} <= set(QUESTIONS)
+
+
+def test_no_script_imports_another_or_a_private_gradsync_name():
+    names = {p.stem for p in scripts()}
+    for path in scripts():
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                assert node.module.split(".")[0] not in names, f"{path}: imports script {node.module}"
+                if node.module.startswith("gradsync"):
+                    assert not [a.name for a in node.names if a.name.startswith("_")], f"{path}: {node.module}"
+            if isinstance(node, ast.Import):
+                assert not {a.name.split(".")[0] for a in node.names} & names, f"{path} imports a script"
+        assert not re.search(r"\bgradsync(\.\w+)*\._[a-z]", text), f"{path}: a private gradsync name"
+        assert not re.search(r"\b(measure|harness|bench)\._[a-z]", text), f"{path}: a private harness name"
+        for line in re.findall(r"^\s*(?:from gradsync\.core[^\n]*)", text, re.M):  # one sed-able line each
+            assert re.fullmatch(r"\s*from gradsync\.core\.\w+ import \w+(, \w+)*(\s+#.*)?", line), line
+
+
+def test_results_are_few_dated_and_indexed():
+    files = sorted(p.name for p in (BENCHMARKS / "results").iterdir())
+    assert len(files) <= 60, len(files)
+    dated = re.compile(r"[a-z0-9.-]+-(\d{4}-\d\d-\d\d|\d{8}-\d{4})(-[a-z0-9.-]+)?\.(md|json|png)")
+    assert not [f for f in files if not dated.fullmatch(f)], "undated or unexplained names"
+    index = (BENCHMARKS / "README.md").read_text()
+    for path in scripts():
+        assert str(path.relative_to(BENCHMARKS)) in index, f"benchmarks/README.md does not list {path.name}"
+    linked = re.findall(r"\]\((results/[^)#]+)\)", index)
+    assert linked and not [f for f in linked if not (BENCHMARKS / f).exists()]
+
+
+def test_docs_link_only_results_that_exist():
+    root = BENCHMARKS.parent
+    for doc in [root / "README.md", *sorted((root / "docs").glob("*.md")), root / "src/gradsync/tools/bench/docs.py"]:
+        for name in re.findall(r"benchmarks/results/([\w.-]+\.(?:md|json|png))", doc.read_text()):
+            assert (BENCHMARKS / "results" / name).exists(), f"{doc.name} links {name}"

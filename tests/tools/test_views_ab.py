@@ -1,4 +1,4 @@
-"""benchmarks/views_ab.py: the previous views path it re-creates gives today's gradients, and a quick run."""
+"""benchmarks/speed/views_ab.py: the previous views path it re-creates gives today's gradients, and a quick run."""
 import importlib.util
 from pathlib import Path
 
@@ -8,7 +8,7 @@ from gradsync.tools.bench.models import GradsyncEngine, ModelSpec
 from gradsync.tools.launch import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
-spec_ = importlib.util.spec_from_file_location("views_ab", ROOT / "benchmarks" / "views_ab.py")
+spec_ = importlib.util.spec_from_file_location("views_ab", ROOT / "benchmarks" / "speed" / "views_ab.py")
 views_ab = importlib.util.module_from_spec(spec_)
 spec_.loader.exec_module(views_ab)
 SPEC = ModelSpec(name="mlp-tiny", kind="mlp", width=64, depth=2, batch=4)

@@ -7,7 +7,7 @@ its first gradient to the end of its write-back: that span holds everything the 
 (launches, exposed communication, write-back) and, where collectives share cores with backward
 (CPU), what communication costs the backward itself. A model of the link alone misses that last
 part: one fit to the same traces chose 4 MiB buckets for gpt-12M, which measured slower than 25
-(``benchmarks/results/auto_cap-link-model.md``). The times are all-reduced with MAX (the slowest
+(``benchmarks/results/speed-auto-cap-link-model-2cpu-2026-11-25.md``). The times are all-reduced with MAX (the slowest
 rank sets the step), so every rank makes the same choice, and re-plans one last time.
 
 The choice keeps torch's default 25 MiB unless a candidate beat it in every round and by more

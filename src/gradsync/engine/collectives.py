@@ -21,7 +21,7 @@ def exchanges(device: torch.device) -> bool:
 
     On CPU (gloo, torch 2.13) ``reduce_scatter_single`` clones its input and all-reduces the whole
     buffer, and ``all_gather_single`` copies through a staging buffer; an all-to-all and one
-    broadcast per owner move the same bytes faster (``benchmarks/results/gloo_collectives.md``).
+    broadcast per owner move the same bytes faster (``benchmarks/results/speed-gloo-collectives-2cpu-2026-11-23.md``).
     """
     return device.type == "cpu"
 

@@ -3,7 +3,7 @@
 On CPU (gloo) the named collectives are slow: in torch 2.13 gloo's ``reduce_scatter_single``
 clones its input in the caller's thread and then all-reduces the whole buffer (twice the
 bytes of a reduce-scatter), and ``all_gather_single`` copies through a staging buffer. Measured
-on 2 gloo ranks (32 MB, ``benchmarks/results/gloo_collectives.md``): reduce-scatter 1.9-3.1x an
+on 2 gloo ranks (32 MB, ``benchmarks/results/speed-gloo-collectives-2cpu-2026-11-23.md``): reduce-scatter 1.9-3.1x an
 all-reduce, all-gather 0.9-1.2x; all-to-all 0.6-0.7x, a broadcast per owner 0.4-0.6x. So on CPU a reduce-scatter is an ``all_to_all_single`` (each rank
 receives every rank's copy of its shard, (W-1)/W of the bytes, no reduction) summed locally in
 the shard's accumulation dtype, and an all-gather is one in-place broadcast per owner. On other

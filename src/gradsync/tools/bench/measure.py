@@ -38,14 +38,14 @@ for _new, _old in (("reduce_scatter_single", "reduce_scatter_tensor"), ("all_gat
         RING_FACTOR[_new] = RING_FACTOR[_old]
 
 
-def _window(engine, spec, rank: int, step: int, accum: int) -> None:
+def run_window(engine, spec, rank: int, step: int, accum: int) -> None:
     for k in range(accum):
         x, y = spec.batch_for(rank, step * accum + k)
         engine.micro_step(x, y, sync=k == accum - 1)
     engine.optimizer_step()
 
 
-def _reduce(values: list[float], op) -> list[float]:
+def reduce_values(values: list[float], op) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t, op=op)
     return t.tolist()
@@ -78,10 +78,10 @@ def alternate(engines: dict, spec, rank, accum, warmup, reps) -> dict:
         for name in round_order(names, rep):
             dist.barrier()
             start, cpu_start = time.perf_counter(), time.process_time()
-            _window(engines[name], spec, rank, rep, accum)
+            run_window(engines[name], spec, rank, rep, accum)
             wall, used = time.perf_counter() - start, time.process_time() - cpu_start
-            wall = _reduce([wall], dist.ReduceOp.MAX)[0]
-            used = _reduce([used], dist.ReduceOp.SUM)[0]
+            wall = reduce_values([wall], dist.ReduceOp.MAX)[0]
+            used = reduce_values([used], dist.ReduceOp.SUM)[0]
             if rep >= warmup:
                 times[name].append(wall)
                 cpu[name].append(used)
@@ -112,7 +112,7 @@ def overhead_rank(rank, world, layers: int = 96, width: int = 8, reps: int = 40)
             else:
                 with model.no_sync():
                     loss_fn(model(x), y).backward()
-            elapsed = _reduce([time.perf_counter() - start], dist.ReduceOp.MAX)[0]
+            elapsed = reduce_values([time.perf_counter() - start], dist.ReduceOp.MAX)[0]
             if r >= 3:
                 samples[label].append(elapsed)
             for p in model.parameters():
@@ -171,17 +171,17 @@ def communication(rank, world, spec, engines, accum, cap, windows: int = 2) -> d
         if isinstance(engine, TorchEngine):  # torch's reducer calls C++ directly: count through a comm hook
             engine = type(engine)(spec.build(seed=0), bucket_cap_mb=cap, view=None, set_to_none=True, lr=1e-3)
             engine.model.register_comm_hook(None, _counting_torch_hook(log))
-            _window(engine, spec, rank, 0, accum)  # first window: bucket rebuild, not steady state
+            run_window(engine, spec, rank, 0, accum)  # first window: bucket rebuild, not steady state
             log.clear()
             for w in range(windows):
-                _window(engine, spec, rank, w + 1, accum)
+                run_window(engine, spec, rank, w + 1, accum)
         else:
             if name == "gradsync":
                 trace = engine.model.enable_comm_trace()
                 trace.clear()
             with count_collectives(log):
                 for w in range(windows):
-                    _window(engine, spec, rank, w, accum)
+                    run_window(engine, spec, rank, w, accum)
             if name == "gradsync":
                 out["trace"] = list(trace)
                 everyone: list = [None] * world  # every rank's, for the Chrome trace file (run.py writes it)
@@ -205,7 +205,7 @@ def profile_gradsync(rank, world, spec, engine, accum, windows: int = 3, top: in
     if prof:
         prof.enable()
     for w in range(windows):
-        _window(engine, spec, rank, 100 + w, accum)
+        run_window(engine, spec, rank, 100 + w, accum)
     if not prof:
         return None
     prof.disable()
@@ -262,7 +262,7 @@ def reset_peak_rss() -> None:
         f.write("5")  # resets VmHWM (the peak resident set) to the current RSS
 
 
-def _mmap_large_allocations() -> None:
+def mmap_large_allocations() -> None:
     # glibc would otherwise keep freed multi-MB blocks in its heap (its mmap threshold grows up
     # to 32 MiB), and RSS would lag behind the tensors actually alive.
     libc = ctypes.CDLL("libc.so.6")
@@ -272,7 +272,7 @@ def _mmap_large_allocations() -> None:
 
 def memory_rank(rank, world, spec, engine_name, view, set_to_none, warmup, steps, cap) -> dict:
     """Steady-state and whole-run (construction included) peak RSS above the pre-model baseline."""
-    _mmap_large_allocations()
+    mmap_large_allocations()
     # Pay torch's and gloo's one-time lazy initialization before taking the baseline.
     warm = torch.nn.Linear(8, 8)
     warm(torch.randn(2, 8)).sum().backward()
@@ -283,12 +283,12 @@ def memory_rank(rank, world, spec, engine_name, view, set_to_none, warmup, steps
     reset_peak_rss()  # the whole-run peak includes construction (what a memory limit sees)
     engine = make_engines(spec, [engine_name], bucket_cap_mb=cap, view=view, set_to_none=set_to_none)[engine_name]
     for s in range(warmup):
-        _window(engine, spec, rank, s, 1)
+        run_window(engine, spec, rank, s, 1)
     whole_run = status_kib("VmHWM")
     dist.barrier()
     reset_peak_rss()
     for s in range(steps):
-        _window(engine, spec, rank, warmup + s, 1)
+        run_window(engine, spec, rank, warmup + s, 1)
     peak = status_kib("VmHWM")
     params = count_params(engine.model.module if hasattr(engine.model, "module") else engine.model)
     return {"peak_bytes": (peak - base) * 1024, "whole_run_peak_bytes": (max(peak, whole_run) - base) * 1024,

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import measure
+from .harness import machine_info
 from .models import ModelSpec, available_engines, mlp_for_params
 from ..launch import run_ranks
 
@@ -142,20 +142,6 @@ def run_memory(plan: Plan, world: int, names: list[str], log) -> list[dict]:
                      "whole_run_peak_bytes": max(r["whole_run_peak_bytes"] for r in res),
                      "grad_bytes": res[0]["param_bytes"]})
     return rows
-
-
-def machine_info() -> dict:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    cores = os.cpu_count() or 1
-    slug = re.sub(r"[^a-z0-9]+", "-", cpu.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
-    return {"cpu": cpu, "cores": cores, "slug": f"{slug[:32].strip('-')}-{cores}cpu",
-            "torch": torch.__version__, "python": platform.python_version(),
-            "load_before": os.getloadavg()}
 
 
 def parse_size(text: str) -> float:

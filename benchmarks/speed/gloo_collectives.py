@@ -1,0 +1,72 @@
+"""Gloo's collectives on one 32 MB fp32 tensor, 2 ranks: what a sharded bucket can use on CPU.
+
+Prints (issue ms, issue-to-done ms) medians per rank, max over ranks, as a markdown table
+(results/speed-gloo-collectives-*.md holds one run).
+
+    python benchmarks/speed/gloo_collectives.py [numel] [world] [reps]
+"""
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from gradsync.tools.launch import run_ranks
+
+
+class Works:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+
+def rank_fn(rank, world, n, reps):
+    torch.set_num_threads(1)
+    s = n // world
+    x, out, full, a2a = torch.randn(n), torch.empty(s), torch.empty(n), torch.empty(n)
+    ops = {
+        "all_reduce (reference)": lambda: dist.all_reduce(x, async_op=True),
+        "reduce_scatter_single": lambda: dist.reduce_scatter_single(out, x, async_op=True),
+        "all_to_all_single (sharded, CPU)": lambda: dist.all_to_all_single(a2a, x, async_op=True),
+        "reduce per owner": lambda: Works([dist.reduce(c, dst=j, async_op=True) for j, c in enumerate(x.split(s))]),
+        "all_gather_single": lambda: dist.all_gather_single(full, out, async_op=True),
+        "all_gather_single in place": lambda: dist.all_gather_single(full, full[rank * s:(rank + 1) * s],
+                                                                     async_op=True),
+        "broadcast per owner, in place (sharded, CPU)": lambda: Works(
+            [dist.broadcast(c, src=j, async_op=True) for j, c in enumerate(full.split(s))]),
+    }
+    res = {k: ([], []) for k in ops}
+    for _ in range(reps):
+        for k, f in ops.items():
+            dist.barrier()
+            start = time.perf_counter()
+            work = f()
+            issued = time.perf_counter()
+            work.wait()
+            res[k][0].append(issued - start)
+            res[k][1].append(time.perf_counter() - start)
+    return {k: (1e3 * statistics.median(a), 1e3 * statistics.median(b)) for k, (a, b) in res.items()}
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    argv = sys.argv[1:] if argv is None else argv
+    n = int(float(argv[0])) if argv else 8_000_000
+    world = int(argv[1]) if len(argv) > 1 else 2
+    reps = int(argv[2]) if len(argv) > 2 else 9
+    per_rank = run_ranks(rank_fn, world, n, reps, timeout=600)
+    ref = max(r["all_reduce (reference)"][1] for r in per_rank)
+    lines = [f"| collective ({n * 4 / 1e6:.0f} MB fp32, {world} gloo ranks) | issue ms | done ms | x all-reduce |",
+             "|---|---|---|---|"]
+    for k in per_rank[0]:
+        issue, done = max(r[k][0] for r in per_rank), max(r[k][1] for r in per_rank)
+        lines.append(f"| {k} | {issue:.1f} | {done:.1f} | {done / ref:.2f} |")
+    print("\n".join(lines))
+    return lines
+
+
+if __name__ == "__main__":
+    main()
