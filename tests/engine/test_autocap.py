@@ -210,7 +210,7 @@ def uneven_auto(rank, world_size, counts):
 @pytest.mark.parametrize("counts", [[6, 1], [2, 6], [6, 1, 3]])
 def test_ranks_that_joined_early_take_part_in_the_choice(counts):
     """A joined rank shadows the measured backwards and the cap's broadcast (no hang, one layout)."""
-    from test_join import reference
+    from ddp.test_join import reference  # tests/ddp: the join reference
     results = run_ranks(uneven_auto, len(counts), counts, timeout=60)
     want = reference(len(counts), counts, False)
     for got, choice, plan in results:

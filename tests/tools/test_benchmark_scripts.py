@@ -266,8 +266,7 @@ def test_no_script_imports_another_or_a_private_gradsync_name():
                 assert not {a.name.split(".")[0] for a in node.names} & names, f"{path} imports a script"
         assert not re.search(r"\bgradsync(\.\w+)*\._[a-z]", text), f"{path}: a private gradsync name"
         assert not re.search(r"\b(measure|harness|bench)\._[a-z]", text), f"{path}: a private harness name"
-        for line in re.findall(r"^\s*(?:from gradsync\.core[^\n]*)", text, re.M):  # one sed-able line each
-            assert re.fullmatch(r"\s*from gradsync\.core\.\w+ import \w+(, \w+)*(\s+#.*)?", line), line
+        assert "gradsync.core" not in text and "gradsync.layers" not in text, f"{path}: the package's old layout"
 
 
 def test_results_are_few_dated_and_indexed():

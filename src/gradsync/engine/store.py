@@ -97,11 +97,9 @@ class BucketStore:
                  registration_walk: bool = False):
         """``registration_walk``: close buckets walking the parameters in registration order and launch
         them in reverse, torch 2.13's first layout, which it keeps for good with find_unused_parameters."""
-        self.params, self.names = params, names
-        self.world_size = world_size
+        self.params, self.names, self.world_size = params, names, world_size
         self.caps = caps  # the caps in use: the one owner ("auto" changes them through replan)
-        self.reduce_dtype = reduce_dtype
-        self.grad_as_view = gradient_as_bucket_view
+        self.reduce_dtype, self.grad_as_view = reduce_dtype, gradient_as_bucket_view
         self.plan_order: list[int] | None = None  # rank 0's observed order, once re-planned
         self.buckets: list[Bucket] = []
         self.views: list[torch.Tensor] = []
