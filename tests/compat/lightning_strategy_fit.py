@@ -7,14 +7,14 @@ the same list; later fits find the process group formed): each writes into ``OUT
 ``part1*``/``resume*`` share the checkpoint folder ``OUT_DIR/ckpt`` (``OUT_DIR/ckpt_sharded``).
 
 MODE: ``ddp`` (torch's DDP), ``gradsync`` (``strategy="gradsync"``), ``gradsync_sharded``,
-``part1`` (``GradsyncStrategy(...)`` with options, 1 epoch, checkpoint into CKPT_DIR), ``resume``
-(the same strategy, 2 epochs from CKPT_DIR/part1.ckpt), ``part1_sharded`` and ``resume_sharded``
+``part1`` (``GradsyncStrategy(...)`` with options, 1 epoch, checkpoint into the checkpoint folder), ``resume``
+(the same strategy, 2 epochs from its part1.ckpt), ``part1_sharded`` and ``resume_sharded``
 (the same with ``strategy="gradsync_sharded"``), ``manual_ddp`` and ``manual_gradsync`` (manual
 optimization, accumulating with ``toggle_model``). Same model, data and accumulation as
-``lightning_fit.py``, whose module writes ``OUT_DIR/rank<r>.pt``; gradients are clipped by norm
+``lightning_fit.py``, whose module writes ``OUT_DIR/MODE/rank<r>.pt``; gradients are clipped by norm
 (``gradient_clip_val``); a callback
 counts the gradient all-reduces (a comm hook; ``ddp_comm_hook=`` in ``part1``/``resume``) into
-``OUT_DIR/syncs<r>.txt``.
+``OUT_DIR/MODE/syncs<r>.txt``.
 """
 from __future__ import annotations
 
