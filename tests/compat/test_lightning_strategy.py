@@ -56,15 +56,17 @@ SHARDED_ATOL = 1e-6
 def fits(tmp_path_factory):
     """Lightning fits: torch's "ddp", "gradsync", manual optimization on "gradsync", and 1 epoch +
     resume to 2 with GradsyncStrategy(...) options and with "gradsync_sharded"; one after another in
-    one launch (each launch costs two interpreters importing Lightning)."""
-    return run("lightning_strategy_fit.py", ("ddp", "gradsync", "manual_gradsync", "part1", "resume",
+    one launch (each launch costs two interpreters importing Lightning). "gradsync" goes first: its
+    strategy starts rank 1 and forms the process group; the later fits find both in place."""
+    return run("lightning_strategy_fit.py", ("gradsync", "ddp", "manual_gradsync", "part1", "resume",
                                              "part1_sharded", "resume_sharded"), tmp_path_factory.mktemp("fits"))
 
 
 @pytest.fixture(scope="module")
 def loops(tmp_path_factory):
-    """Fabric loops with no_backward_sync: torch's "ddp", "gradsync", "gradsync_sharded", in one launch."""
-    return run("fabric_loop.py", ("ddp", "gradsync", "gradsync_sharded"), tmp_path_factory.mktemp("fabric"))
+    """Fabric loops with no_backward_sync: "gradsync" (its strategy launches), torch's "ddp",
+    "gradsync_sharded", in one launch."""
+    return run("fabric_loop.py", ("gradsync", "ddp", "gradsync_sharded"), tmp_path_factory.mktemp("fabric"))
 
 
 def test_trainer_strategy_gradsync_gives_ddps_weights(fits):
