@@ -1,6 +1,9 @@
 """Run Accelerate's own ``test_utils/scripts/test_sync.py`` on 2 CPU ranks, with torch's DDP or gradsync.
 
-    python accelerate_sync.py {torch,gradsync} RESULT_DIR
+    python accelerate_sync.py {torch,gradsync}[,...] RESULT_DIR
+
+Several modes run one after another from the same launcher process (each launch forks its own two
+ranks), each writing into ``RESULT_DIR/MODE/``.
 
 Launched the way Accelerate's own CPU tests launch it (``accelerate.debug_launcher``: 2 forked
 gloo ranks, file rendezvous, ``ACCELERATE_USE_CPU``). With ``gradsync`` the launcher process enters
@@ -12,7 +15,7 @@ GPU types (they run fine on CPU). So each rank runs every call ``main()`` can ma
 order, one at a time, recording pass/fail; ``cpu_main`` marks the ones ``main()`` itself runs on
 MULTI_CPU. After each case the ranks meet at the store (not a collective), so a case that leaves
 the ranks out of step ends the run instead of hanging it. Each rank writes
-``RESULT_DIR/rank<r>.json`` after every case.
+``rank<r>.json`` after every case.
 """
 from __future__ import annotations
 
@@ -98,20 +101,22 @@ def run_rank(mode: str, result_dir: str) -> None:
 
 
 def main() -> None:
-    mode, result_dir = sys.argv[1], sys.argv[2]
-    if mode not in ("torch", "gradsync"):
-        raise SystemExit(f"usage: {sys.argv[0]} {{torch,gradsync}} RESULT_DIR")
+    modes, result_dir = sys.argv[1].split(","), Path(sys.argv[2])
+    if not set(modes) <= {"torch", "gradsync"}:
+        raise SystemExit(f"usage: {sys.argv[0]} {{torch,gradsync}}[,...] RESULT_DIR")
     from accelerate import debug_launcher
 
     import gradsync
 
     torch.set_num_threads(1)
-    handle = gradsync.replace_torch_ddp() if mode == "gradsync" else None
-    try:
-        debug_launcher(run_rank, args=(mode, result_dir), num_processes=2)
-    finally:
-        if handle is not None:
-            handle.undo()
+    for mode in modes:
+        (result_dir / mode).mkdir(parents=True, exist_ok=True)
+        handle = gradsync.replace_torch_ddp() if mode == "gradsync" else None
+        try:
+            debug_launcher(run_rank, args=(mode, str(result_dir / mode)), num_processes=2)
+        finally:
+            if handle is not None:
+                handle.undo()
 
 
 if __name__ == "__main__":

@@ -1,12 +1,14 @@
 """A Fabric training loop on 2 CPU ranks with gradient accumulation through ``fabric.no_backward_sync``.
 
-    python fabric_loop.py {ddp,gradsync,gradsync_sharded} OUT_DIR
+    python fabric_loop.py MODE[,MODE...] OUT_DIR      (modes: ddp, gradsync, gradsync_sharded)
+
+The modes run one after another in the same two processes, each writing into ``OUT_DIR/MODE/``.
 
 Fabric's strategy by name: ``ddp`` is torch's DDP, ``gradsync`` needs ``import gradsync.lightning``.
 Rank 1 is started by Fabric re-running this script. 2 epochs of 10 micro-batches per rank, windows
 of 4, 4 and 2, clipped by norm; a comm hook counts the all-reduced buckets (not for the sharded wrapper). Each rank
-writes ``OUT_DIR/rank<r>.pt`` (weights, optimizer steps, wrapper class, syncs) and, after a
-``fabric.save``/``fabric.load`` round trip, ``OUT_DIR/rank<r>.done``.
+writes ``rank<r>.pt`` (weights, optimizer steps, wrapper class, syncs) and, after a
+``fabric.save``/``fabric.load`` round trip, ``rank<r>.done``.
 """
 from __future__ import annotations
 
@@ -26,10 +28,16 @@ CLIP = 0.05  # clips most windows' gradients (global norm ~0.3): the sharded glo
 
 
 def main() -> None:
-    mode, out_dir = sys.argv[1], Path(sys.argv[2])
-    if mode not in MODES:
-        raise SystemExit(f"usage: {sys.argv[0]} {{{','.join(MODES)}}} OUT_DIR")
+    modes, out_dir = sys.argv[1].split(","), Path(sys.argv[2])
+    if not set(modes) <= set(MODES):
+        raise SystemExit(f"usage: {sys.argv[0]} MODE[,MODE...] OUT_DIR with modes from {{{','.join(MODES)}}}")
     torch.set_num_threads(1)
+    for mode in modes:
+        (out_dir / mode).mkdir(parents=True, exist_ok=True)
+        loop(mode, out_dir / mode)
+
+
+def loop(mode: str, out_dir: Path) -> None:
     import lightning as L
 
     import gradsync.lightning  # noqa: F401  registers Fabric(strategy="gradsync")

@@ -1,12 +1,14 @@
 """A Lightning ``Trainer(strategy="ddp")`` fit on 2 CPU ranks, with torch's DDP or with gradsync.
 
-    python lightning_fit.py {torch,gradsync} OUT_DIR
+    python lightning_fit.py {torch,gradsync}[,...] OUT_DIR
+
+Several modes run one after another in the same two processes, each writing into ``OUT_DIR/MODE/``.
 
 Lightning's DDP strategy on CPU starts rank 1 by re-running this script (same argv, LOCAL_RANK set),
 so every rank enters ``gradsync.replace_torch_ddp()`` itself before building the Trainer. Each
-rank writes ``OUT_DIR/rank<r>.pt`` at the end of training (before the strategy's teardown): the
+rank writes ``rank<r>.pt`` at the end of training (before the strategy's teardown): the
 final weights, the class Lightning wrapped the model in and how many optimizer steps ran; and
-``OUT_DIR/rank<r>.done`` once ``trainer.fit`` has returned. Deterministic data, no logger, no checkpoints, no downloads.
+``rank<r>.done`` once ``trainer.fit`` has returned. Deterministic data, no logger, no checkpoints, no downloads.
 """
 from __future__ import annotations
 
@@ -74,10 +76,16 @@ def make_module(mode: str, out_dir: Path):
 
 
 def main() -> None:
-    mode, out_dir = sys.argv[1], Path(sys.argv[2])
-    if mode not in ("torch", "gradsync"):
-        raise SystemExit(f"usage: {sys.argv[0]} {{torch,gradsync}} OUT_DIR")
+    modes, out_dir = sys.argv[1].split(","), Path(sys.argv[2])
+    if not set(modes) <= {"torch", "gradsync"}:
+        raise SystemExit(f"usage: {sys.argv[0]} {{torch,gradsync}}[,...] OUT_DIR")
     torch.set_num_threads(1)
+    for mode in modes:
+        (out_dir / mode).mkdir(parents=True, exist_ok=True)
+        fit(mode, out_dir / mode)
+
+
+def fit(mode: str, out_dir: Path) -> None:
     import lightning as L
 
     import gradsync

@@ -1,16 +1,20 @@
-"""A Lightning fit on 2 CPU ranks with a strategy chosen by name, without replace_torch_ddp().
+"""Lightning fits on 2 CPU ranks with a strategy chosen by name, without replace_torch_ddp().
 
-    python lightning_strategy_fit.py MODE OUT_DIR [CKPT_DIR]
+    python lightning_strategy_fit.py MODE[,MODE...] OUT_DIR
+
+The modes run one after another in the same two processes (rank 1, started by the first fit, runs
+the same list; later fits find the process group formed): each writes into ``OUT_DIR/MODE/``, and
+``part1*``/``resume*`` share the checkpoint folder ``OUT_DIR/ckpt`` (``OUT_DIR/ckpt_sharded``).
 
 MODE: ``ddp`` (torch's DDP), ``gradsync`` (``strategy="gradsync"``), ``gradsync_sharded``,
-``part1`` (``GradsyncStrategy(...)`` with options, 1 epoch, checkpoint into CKPT_DIR), ``resume``
-(the same strategy, 2 epochs from CKPT_DIR/part1.ckpt), ``part1_sharded`` and ``resume_sharded``
+``part1`` (``GradsyncStrategy(...)`` with options, 1 epoch, checkpoint into the checkpoint folder), ``resume``
+(the same strategy, 2 epochs from its part1.ckpt), ``part1_sharded`` and ``resume_sharded``
 (the same with ``strategy="gradsync_sharded"``), ``manual_ddp`` and ``manual_gradsync`` (manual
 optimization, accumulating with ``toggle_model``). Same model, data and accumulation as
-``lightning_fit.py``, whose module writes ``OUT_DIR/rank<r>.pt``; gradients are clipped by norm
+``lightning_fit.py``, whose module writes ``OUT_DIR/MODE/rank<r>.pt``; gradients are clipped by norm
 (``gradient_clip_val``); a callback
 counts the gradient all-reduces (a comm hook; ``ddp_comm_hook=`` in ``part1``/``resume``) into
-``OUT_DIR/syncs<r>.txt``.
+``OUT_DIR/MODE/syncs<r>.txt``.
 """
 from __future__ import annotations
 
@@ -79,10 +83,16 @@ def manual_module(mode: str, out_dir: Path):
 
 
 def main() -> None:
-    mode, out_dir = sys.argv[1], Path(sys.argv[2])
-    if mode not in MODES:
-        raise SystemExit(f"usage: {sys.argv[0]} {{{','.join(MODES)}}} OUT_DIR [CKPT_DIR]")
+    modes, out_dir = sys.argv[1].split(","), Path(sys.argv[2])
+    if not set(modes) <= set(MODES):
+        raise SystemExit(f"usage: {sys.argv[0]} MODE[,MODE...] OUT_DIR with modes from {{{','.join(MODES)}}}")
     torch.set_num_threads(1)
+    for mode in modes:
+        (out_dir / mode).mkdir(parents=True, exist_ok=True)
+        fit(mode, out_dir / mode, out_dir / ("ckpt_sharded" if mode.endswith("_sharded") else "ckpt"))
+
+
+def fit(mode: str, out_dir: Path, ckpt_dir: Path) -> None:
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -97,7 +107,6 @@ def main() -> None:
         # bit) and the counting hook as Lightning's ddp_comm_hook; the sharded pair by name
         strategy = "gradsync_sharded" if sharded else gradsync.lightning.GradsyncStrategy(
             reduce_dtype=torch.float32, sync_timeout=120, bucket_cap_mb=25, ddp_comm_hook=callbacks[0].hook)
-        ckpt_dir = Path(sys.argv[3])
         if mode.startswith("part1"):
             epochs = 1
             callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="part1", save_top_k=1))

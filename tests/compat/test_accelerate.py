@@ -11,7 +11,7 @@ from compat_proc import run_bounded  # noqa: E402
 
 pytestmark = pytest.mark.compat
 SCRIPT = Path(__file__).with_name("accelerate_sync.py")
-TIMEOUT = 300  # one run takes ~10 s on 2 cores
+TIMEOUT = 400  # the two runs take ~20 s on 2 cores
 
 # The cases of accelerate/test_utils/scripts/test_sync.py that fail on gradsync today, with the
 # reason. Strict: a case listed here that passes makes the test fail until it is removed.
@@ -22,19 +22,24 @@ EXPECTED_GRADSYNC_FAILURES: dict[str, str] = {
 }
 
 
-def run(mode, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"accelerate-{mode}")
-    proc = run_bounded([sys.executable, str(SCRIPT), mode, str(out)], TIMEOUT, log=out / "log")
-    ranks = []
-    for r in range(2):
-        f = out / f"rank{r}.json"
-        assert f.exists(), (f"{mode}: rank {r} wrote no result (exit {proc.returncode}, "
-                            f"timed out {proc.timed_out})\n{proc.tail}")
-        ranks.append(json.loads(f.read_text()))
-    assert proc.returncode == 0 and all(r.get("finished") for r in ranks), (
-        f"{mode}: the run did not finish (exit {proc.returncode}, timed out {proc.timed_out}, diverged after "
-        f"{[r.get('diverged_after') for r in ranks]})\n{proc.tail}")
-    return ranks
+def run(modes, tmp_path_factory):
+    """Both runs from one launcher process (it imports Accelerate once): {mode: [rank 0's, rank 1's]}."""
+    out = tmp_path_factory.mktemp("accelerate")
+    proc = run_bounded([sys.executable, str(SCRIPT), ",".join(modes), str(out)], TIMEOUT, log=out / "log")
+    result = {}
+    for mode in modes:
+        ranks = []
+        for r in range(2):
+            f = out / mode / f"rank{r}.json"
+            assert f.exists(), (f"{mode}: rank {r} wrote no result (exit {proc.returncode}, "
+                                f"timed out {proc.timed_out})\n{proc.tail}")
+            ranks.append(json.loads(f.read_text()))
+        assert all(r.get("finished") for r in ranks), (
+            f"{mode}: the run did not finish (exit {proc.returncode}, timed out {proc.timed_out}, diverged after "
+            f"{[r.get('diverged_after') for r in ranks]})\n{proc.tail}")
+        result[mode] = ranks
+    assert proc.returncode == 0, f"exit {proc.returncode}, timed out {proc.timed_out}\n{proc.tail}"
+    return result
 
 
 def outcomes(ranks):
@@ -48,13 +53,18 @@ def outcomes(ranks):
 
 
 @pytest.fixture(scope="module")
-def torch_run(tmp_path_factory):
-    return run("torch", tmp_path_factory)
+def runs(tmp_path_factory):
+    return run(("torch", "gradsync"), tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
-def gradsync_run(tmp_path_factory):
-    return run("gradsync", tmp_path_factory)
+def torch_run(runs):
+    return runs["torch"]
+
+
+@pytest.fixture(scope="module")
+def gradsync_run(runs):
+    return runs["gradsync"]
 
 
 def test_accelerate_prepare_builds_the_expected_class(torch_run, gradsync_run):

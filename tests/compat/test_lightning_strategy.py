@@ -13,23 +13,27 @@ from compat_proc import SRC, run_bounded  # noqa: E402
 
 pytestmark = pytest.mark.compat
 HERE = Path(__file__).parent
-TIMEOUT = 300  # one run takes 20-45 s on 2 busy cores (rank 1 is a fresh interpreter)
+TIMEOUT = 400  # the 7 fits take ~40 s on 2 idle cores (rank 1 is a fresh interpreter)
 
 
-def run(script, mode, out, *extra):
-    proc = run_bounded([sys.executable, str(HERE / script), mode, str(out), *map(str, extra)], TIMEOUT,
-                       log=out / "log")
-    assert not proc.timed_out, f"{script} {mode}: ran past {TIMEOUT}s\n{proc.tail}"
-    ranks = []
-    for r in range(2):
-        assert (out / f"rank{r}.done").exists(), f"{script} {mode}: rank {r} did not finish\n{proc.tail}"
-        ranks.append(torch.load(out / f"rank{r}.pt", weights_only=False))
-        ranks[-1]["done"] = (out / f"rank{r}.done").read_text()
-        syncs = out / f"syncs{r}.txt"
-        if syncs.exists():
-            ranks[-1]["syncs"] = int(syncs.read_text())
+def run(script, modes, out):
+    """Run ``modes`` one after another in one 2-rank launch of ``script``: {mode: [rank 0's, rank 1's]}."""
+    proc = run_bounded([sys.executable, str(HERE / script), ",".join(modes), str(out)], TIMEOUT, log=out / "log")
+    assert not proc.timed_out, f"{script} {modes}: ran past {TIMEOUT}s\n{proc.tail}"
+    result = {}
+    for mode in modes:
+        ranks = []
+        for r in range(2):
+            done = out / mode / f"rank{r}.done"
+            assert done.exists(), f"{script} {mode}: rank {r} did not finish\n{proc.tail}"
+            ranks.append(torch.load(out / mode / f"rank{r}.pt", weights_only=False))
+            ranks[-1]["done"] = done.read_text()
+            syncs = out / mode / f"syncs{r}.txt"
+            if syncs.exists():
+                ranks[-1]["syncs"] = int(syncs.read_text())
+        result[mode] = ranks
     assert proc.returncode == 0, proc.tail
-    return ranks
+    return result
 
 
 def assert_same_weights(got, expected, atol=0.0):
@@ -51,23 +55,18 @@ SHARDED_ATOL = 1e-6
 @pytest.fixture(scope="module")
 def fits(tmp_path_factory):
     """Lightning fits: torch's "ddp", "gradsync", manual optimization on "gradsync", and 1 epoch +
-    resume to 2 with GradsyncStrategy(...) options and with "gradsync_sharded"."""
-    out = {}
-    for mode in ("ddp", "gradsync", "manual_gradsync"):
-        out[mode] = run("lightning_strategy_fit.py", mode, tmp_path_factory.mktemp(f"fit-{mode}"))
-    for suffix in ("", "_sharded"):
-        ckpt = tmp_path_factory.mktemp(f"ckpt{suffix}")
-        for part in ("part1", "resume"):
-            mode = part + suffix
-            out[mode] = run("lightning_strategy_fit.py", mode, tmp_path_factory.mktemp(f"fit-{mode}"), ckpt)
-    return out
+    resume to 2 with GradsyncStrategy(...) options and with "gradsync_sharded"; one after another in
+    one launch (each launch costs two interpreters importing Lightning). "gradsync" goes first: its
+    strategy starts rank 1 and forms the process group; the later fits find both in place."""
+    return run("lightning_strategy_fit.py", ("gradsync", "ddp", "manual_gradsync", "part1", "resume",
+                                             "part1_sharded", "resume_sharded"), tmp_path_factory.mktemp("fits"))
 
 
 @pytest.fixture(scope="module")
 def loops(tmp_path_factory):
-    """Fabric loops with no_backward_sync: torch's "ddp", "gradsync", "gradsync_sharded"."""
-    return {mode: run("fabric_loop.py", mode, tmp_path_factory.mktemp(f"fabric-{mode}"))
-            for mode in ("ddp", "gradsync", "gradsync_sharded")}
+    """Fabric loops with no_backward_sync: "gradsync" (its strategy launches), torch's "ddp",
+    "gradsync_sharded", in one launch."""
+    return run("fabric_loop.py", ("gradsync", "ddp", "gradsync_sharded"), tmp_path_factory.mktemp("fabric"))
 
 
 def test_trainer_strategy_gradsync_gives_ddps_weights(fits):

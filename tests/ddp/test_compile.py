@@ -187,21 +187,32 @@ def windows_eager(rank, world_size):
 
 # ---------------------------------------------------------------- overlap under whole-model compile
 def overlap(rank, world_size, form, optimize_ddp):
-    """Whole-model compile, a bucket per layer: when does the first bucket launch in the backward?"""
+    """Whole-model compile, a bucket per layer: how much of the backward's work is done when the first
+    bucket launches? Measured in this thread's CPU time (time.thread_time), not wall time: the CPU
+    backward and every hook run on the thread that called backward(), so the share counts work done,
+    whatever else the machine runs (a rank preempted for a while adds nothing to it)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
     with torch._dynamo.config.patch(optimize_ddp=optimize_ddp):  # False: torch's switch for no splits
         model, run = build(form, gradsync.DDP, Net(width=512, depth=8, features=512), bucket_cap_mb=1)
-        trace = model.enable_comm_trace()
+        launches = []
+
+        def timed(state, bucket):  # the default all-reduce, noting when the bucket launched
+            launches.append(time.thread_time())
+            return allreduce_hook(state, bucket)
+
+        model.register_comm_hook(None, timed)
         shares = []
         for _ in range(5):  # two warm-up steps: AOT autograd compiles the backward, buckets are re-planned
             x = torch.randn(128, 512).requires_grad_()
             reached_input = []
-            x.register_hook(lambda g: reached_input.append(time.perf_counter()))
+            x.register_hook(lambda g: reached_input.append(time.thread_time()))
             loss = run(x).square().mean()
-            dist.barrier()  # a rank late to its backward would hold the other's first bucket back
-            start = time.perf_counter()
+            dist.barrier()
+            launches.clear()
+            start = time.thread_time()
             loss.backward()
-            first = trace[-1]["buckets"][0]["launch"]
-            shares.append((first - start) / (reached_input[0] - start))
+            shares.append((launches[0] - start) / (reached_input[0] - start))
     return shares[2:], len(model.reducer.buckets)
 
 

@@ -39,7 +39,9 @@ def worker(out: Path) -> None:
     x, y = spirals(SAMPLES)
     x = x.double()
     sampler = gradsync.elastic.ElasticSampler(SAMPLES, micro_batch=MICRO, global_batch=GLOBAL, seed=0)
-    losses = []
+    losses, gave_up = [], False
+    if restart > 0:  # about to ask to join (at the sampler's first item): tell the members to wait for it
+        (out / f"rejoining-{me}").touch()
     for idx in sampler.iterate(acc):
         with acc.accumulate():
             window = acc.windows - 1
@@ -50,11 +52,25 @@ def worker(out: Path) -> None:
             optimizer.step()
             optimizer.zero_grad()
         losses.append((window, loss.item()))
-        time.sleep(0.02)  # a slower step, so the restarted replica rejoins mid-run
+        if window > KILL_AT and len(gradsync.elastic.members()) < 3 and not gave_up:
+            gave_up = not wait_for_rejoin(out)
     events = [e.__dict__ for e in gradsync.elastic.events()]
     torch.save({"params": [p.detach().clone() for p in model.module.parameters()], "losses": losses,
                 "events": events, "members": gradsync.elastic.members(), "lost": sampler.lost,
                 "accuracy": accuracy(model.module)}, out / f"replica-{me}.pt")
+
+
+def wait_for_rejoin(out: Path, timeout: float = 300.0) -> bool:
+    """On a survivor, until the killed replica is back: wait for its restart to reach its first window
+    (however long starting an interpreter takes on a busy machine), then take slower steps, so that the
+    job cannot end before its join request is admitted at a window boundary. False: it never came."""
+    deadline = time.monotonic() + timeout
+    while not (out / "rejoining-2").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    time.sleep(0.05)
+    return True
 
 
 def reference(events: list[dict]) -> list[torch.Tensor]:
