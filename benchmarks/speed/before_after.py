@@ -1,7 +1,7 @@
 """Before/after a change to the engine, in one run (issue 24): the baseline commit's gradsync against the
 working tree's, window by window on the same ranks, with an A/A pair (baseline against itself) as the noise.
 
-The baseline's ``src/gradsync`` (core and layers; its imports are relative) is exported with ``git archive``
+The baseline's ``src/gradsync`` (without its tools; its imports are relative) is exported with ``git archive``
 and imported as ``gradsync_base`` next to the working tree's ``gradsync``, in the same forked gloo ranks.
 Three groups, each timed in its own ranks on identical model copies, data and AdamW:
 
@@ -78,8 +78,8 @@ def export_base(commit: str) -> tuple[object, str]:
 def code_state(base_dir: Path) -> dict:
     """Which modules differ between the baseline and the working tree, and a hash of the tree's code."""
     def files(top: Path) -> dict[str, bytes]:
-        return {str(p.relative_to(top)): p.read_bytes() for part in ("core", "layers")
-                for p in sorted((top / part).glob("*.py"))}
+        return {str(p.relative_to(top)): p.read_bytes() for p in sorted(top.rglob("*.py"))
+                if "tools" not in p.relative_to(top).parts and "__pycache__" not in p.parts}
     new, old = files(Path(gradsync.__file__).parent), files(base_dir)
     git = ["git", "-C", str(ROOT)]
     head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

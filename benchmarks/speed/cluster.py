@@ -148,7 +148,7 @@ def time_cell(rank: int, spec, accum: int, warmup: int, reps: int, quick: bool, 
                  "buckets": [{"index": b["index"], "mb": b["bytes"] / 2 ** 20,
                               **{k: 1e3 * (b[k] - record["backward_start"]) for k in ("ready", "launch", "done")
                                  if k in b}} for b in record["buckets"]]}
-        model.reducer.disable_trace()
+        model.reducer.enable_trace(False)
     limit = [pre + max(last, ar) + opt for (pre, last, opt), ar in zip(parts, times["all-reduce"])]
     choice = {n: engines[n].model.bucket_choice for n in autos}
     return {"times": times, "limit": limit, "parts": parts, "settle_windows": settle, "choice": choice,

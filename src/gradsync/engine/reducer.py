@@ -1,8 +1,8 @@
 """The reducer: one synced backward, from a gradient's hook to the averaged ``.grad``.
 
 It knows parameters, buckets and a process group: nothing of modules, optimizers or the features above.
-Parts: ``store`` (bucket memory), ``launcher`` (a bucket's collective), ``plane`` (``control.py``: headers,
-the end-of-backward control, bounded waits), ``it`` (what this backward has seen). The trip, in verbs:
+Parts: ``store`` (bucket memory), ``launcher`` (a bucket's collective), ``plane`` (``control.py``), ``it``
+(what this backward has seen). The trip, in verbs:
 a gradient's hook calls ``on_grad_ready``; ``register_grad_ready`` copies it into its bucket slot; a full
 bucket starts its collective, in index order on every rank (``start_grad_sync``); the end-of-backward
 callback runs ``finish_grad_sync``: ``reduce`` waits for the buckets and the control and checks it,
@@ -51,10 +51,9 @@ class Reducer:
         group, device = control_group(process_group, self.device)  # off CPU, a CPU group: no host syncs
         self.plane = ControlPlane(group, rank=self.rank, world_size=self.world_size, device=device,
                                   timeout=config.timeout, counters=self.counters, data_device=self.device)
-        self.store = store or BucketStore(  # with find_unused_parameters no re-plan: torch's first layout
-            self.params, self.names, world_size=self.world_size, caps=config.caps, reduce_dtype=config.reduce_dtype,
-            gradient_as_bucket_view=config.gradient_as_bucket_view,
-            registration_walk=config.find_unused_parameters and not config.static_graph)
+        self.store = store or BucketStore(self.params, self.names, world_size=self.world_size, caps=config.caps,
+                                          reduce_dtype=config.reduce_dtype,
+                                          gradient_as_bucket_view=config.gradient_as_bucket_view)
         self.launcher = launcher(self.plane) if launcher else BucketLauncher(process_group, self.plane, self.params)
         self.it = IterationState()
         self.trace: list[dict] | None = None  # [] records a timeline per synced backward (enable_trace)
@@ -92,9 +91,9 @@ class Reducer:
     def on_bucket_reduced(self, callback: Callable[[list[int]], None] | None) -> None:  # overlap.py
         self.bucket_reduced = callback  # each bucket is written back as soon as reduced, then callback(members)
 
-    def enable_trace(self) -> list[dict]:
-        self.trace = [] if self.trace is None else self.trace
-        if self.auto_caps is not None:  # "auto" traces while it chooses: keep tracing after
+    def enable_trace(self, on: bool = True) -> list[dict] | None:  # on=False: stop recording
+        self.trace = ([] if self.trace is None else self.trace) if on else None
+        if on and self.auto_caps is not None:  # "auto" traces while it chooses: keep tracing after
             self.auto_caps.keep_trace()
         return self.trace
 

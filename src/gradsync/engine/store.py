@@ -93,10 +93,7 @@ class BucketStore:
     exclusive = False  # True: only the store's own optimizer may step its parameters (guard.py)
 
     def __init__(self, params: list[torch.Tensor], names: list[str], *, world_size: int, caps: Caps,
-                 reduce_dtype: torch.dtype | None = None, gradient_as_bucket_view: bool = False,
-                 registration_walk: bool = False):
-        """``registration_walk``: close buckets walking the parameters in registration order and launch
-        them in reverse, torch 2.13's first layout, which it keeps for good with find_unused_parameters."""
+                 reduce_dtype: torch.dtype | None = None, gradient_as_bucket_view: bool = False):
         self.params, self.names, self.world_size = params, names, world_size
         self.caps = caps  # the caps in use: the one owner ("auto" changes them through replan)
         self.reduce_dtype, self.grad_as_view = reduce_dtype, gradient_as_bucket_view
@@ -105,8 +102,7 @@ class BucketStore:
         self.views: list[torch.Tensor] = []
         self.view_ptrs: list[int] = []  # each view's data_ptr(): is ``.grad`` the view (is_view_of), read once
         self.bucket_of = [0] * len(params)
-        self._build(plan_buckets(params, *caps, range(len(params)))[::-1] if registration_walk
-                    else plan_buckets(params, *caps))
+        self._build(plan_buckets(params, *caps))
         self.main = None
         if reduce_dtype is not None:
             from .main_grad import MainGrads  # here: it imports this module's check_grad

@@ -21,7 +21,7 @@ from ..engine.config import Caps
 from ..engine.store import check_grad
 from ..engine.layout import plan_buckets
 from ..engine.main_grad import MainGrads
-from ..engine.store import Bucket
+from ..engine.store import Bucket, BucketStore
 from .comm import BufferPool, fold
 
 
@@ -193,15 +193,8 @@ class ShardedBucketStore:
         if syncing:
             self.partial = True  # until this backward's end-of-backward check passes
 
-    def begin_sync(self) -> None:
-        for b in self.buckets:
-            b.pending, b.handle, b.copied = len(b.members), None, 0
-
-    def copy_in_all(self, divide: bool) -> None:
-        for i in range(len(self.params)):
-            self.copy_in(i, divide)
-        for b in self.buckets:
-            b.pending = 0
+    begin_sync = BucketStore.begin_sync  # the same on shards: every bucket waits for its members again
+    copy_in_all = BucketStore.copy_in_all
 
     def end_sync(self, results: list[Any] | None, counts: list[int]) -> None:
         for bucket, result in zip(self.buckets, results or ()):

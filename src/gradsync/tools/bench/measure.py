@@ -187,7 +187,7 @@ def communication(rank, world, spec, engines, accum, cap, windows: int = 2) -> d
                 everyone: list = [None] * world  # every rank's, for the Chrome trace file (run.py writes it)
                 dist.all_gather_object(everyone, out["trace"])
                 out["chrome_trace"] = chrome_trace(everyone)
-                engine.model.reducer.disable_trace()
+                engine.model.reducer.enable_trace(False)
         by_kind: dict[str, float] = defaultdict(float)
         wire = 0.0
         for op, dtype, nbytes in log:
