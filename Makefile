@@ -12,14 +12,16 @@ TORCH_PIN := torch==2.13.0
 # uv installs what pip would, several times faster (parallel downloads and unpacking); it is pip-installed
 # into the venv itself, so a bare machine needs nothing more. torch comes from the local CPU wheel
 # only (--no-index: never a CUDA download); its own dependencies and the rest come with the next line.
+# --compile-bytecode: pip writes .pyc files at install and uv does not; where PYTHONDONTWRITEBYTECODE is set
+# (as here) every interpreter the suite starts would compile torch again (about 12 s per import).
 UV := $(VENV)/bin/uv
 WHEELS ?= /opt/wheels
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q uv
-	$(UV) pip install -q --python $(PY) --no-index --no-deps --find-links $(WHEELS) $(TORCH_PIN)
-	$(UV) pip install -q --python $(PY) $(TORCH_PIN) -e '.[dev,compat]'
+	$(UV) pip install -q --compile-bytecode --python $(PY) --no-index --no-deps --find-links $(WHEELS) $(TORCH_PIN)
+	$(UV) pip install -q --compile-bytecode --python $(PY) $(TORCH_PIN) -e '.[dev,compat]'
 	touch $@
 
 install: $(VENV)/.installed
