@@ -226,7 +226,7 @@ def report(rec: dict) -> str:
              f"Load average (1/5/15 min) {'/'.join(f'{x:.1f}' for x in rec['load_before'])} before, "
              f"{'/'.join(f'{x:.1f}' for x in rec['load_after'])} after (the benchmark's own 2 ranks included).", "",
              f"*before* = `gradsync` of commit {rec['base']}, imported as `gradsync_base`; *after* = the working "
-             f"tree's `gradsync` (HEAD {code['head']}, {state}; core+layers sha256 "
+             f"tree's `gradsync` (HEAD {code['head']}, {state}; package sha256 (tools aside) "
              f"{code['tree_sha256']}). They differ: only before {', '.join(code['only_before']) or '-'}; only after "
              f"{', '.join(code['only_after']) or '-'}; {len(code['changed'])} modules changed.", "",
              "Each row is one set of forked ranks with four engines on identical model copies, taking turns "
