@@ -26,7 +26,7 @@ class PreviousViews(GradsyncEngine):
     def wrap(self, module, cap, view):
         model = super().wrap(module, cap, view)
         store, launcher = model.reducer.store, model.reducer.launcher
-        store.copy_in = lambda i, divide: BucketStore.copy_in(store, i, False)
+        store.copy_in_bucket = lambda bucket, divide: BucketStore.copy_in_bucket(store, bucket, False)
         launch = launcher.launch
 
         def divide_then_launch(bucket, buckets, traced):

@@ -200,6 +200,23 @@ def test_run_ranks_kills_stuck_ranks():
     assert time.monotonic() - start < 10
 
 
+PARENT_ONLY: list[str] = []  # set in the parent below: a forked rank sees it, a spawned one imports afresh
+
+
+def seen_from_rank(rank, world_size):
+    return list(PARENT_ONLY), dist.get_world_size()
+
+
+def test_run_ranks_spawns_for_cuda_and_when_asked():
+    # CUDA ranks are spawned (a forked child cannot initialize CUDA once the parent touched the driver)
+    PARENT_ONLY.append("parent")
+    try:
+        assert run_ranks(seen_from_rank, 1) == [(["parent"], 1)]
+        assert run_ranks(seen_from_rank, 1, start_method="spawn", timeout=120) == [([], 1)]
+    finally:
+        PARENT_ONLY.clear()
+
+
 def needs_init(rank, world_size):
     dist.destroy_process_group()
     with pytest.raises(RuntimeError, match="init_process_group"):

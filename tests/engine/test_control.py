@@ -7,7 +7,7 @@ import torch
 
 from gradsync.engine.control import Verdict, bounded_wait, control_tensor, empty_control
 from gradsync.engine.errors import SyncError
-from gradsync.engine.store import check_finite
+from gradsync.engine.checks import check_finite
 
 
 def check_agreement(total, *, rank, world_size, n, active, sync_count):

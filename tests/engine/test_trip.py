@@ -1,4 +1,5 @@
-"""One gradient's trip: the gradsync files a default synced backward enters, traced, at most six.
+"""One gradient's trip: the gradsync files a default synced backward enters, traced, at most six; and
+the Python calls into gradsync per extra parameter, at most two (issue 37: work per bucket, not per parameter).
 
 ``sys.setprofile`` records every Python call into the package during one ``loss.backward()`` of
 ``DistributedDataParallel(net)`` on 2 gloo ranks, after the first synced backward (which re-plans the
@@ -9,6 +10,7 @@ import re
 import sys
 from pathlib import Path
 
+import torch
 import torch.nn.functional as F
 
 import gradsync
@@ -19,11 +21,14 @@ MAX_FILES = 6
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
-def trace_backwards(rank, world_size, steps):
-    model = gradsync.DistributedDataParallel(mlp())
+def trace_backwards(rank, world_size, steps, layers=None):
+    net = mlp() if layers is None else torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
+    model = gradsync.DistributedDataParallel(net)
     package = os.path.dirname(gradsync.__file__)
     trips = []
     for x, y in batches(steps, world_size):
+        if layers is not None:
+            x = x[:, :4]
         loss = F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size))
         files, calls = [], [0]
 
@@ -52,3 +57,12 @@ def test_a_synced_backward_enters_at_most_six_files_and_the_docs_list_them():
             assert files[0] == "engine/reducer.py", files  # the gradient's hook is the reducer's
     listed = re.findall(r"^\d+\. `([\w/]+\.py)`", DOC.read_text(), flags=re.M)
     assert set(trips[0][-1][0]) <= set(listed), (trips[0][-1][0], listed)
+
+
+def test_python_calls_per_extra_parameter_are_at_most_two():
+    # 16 and 128 parameters (8 and 64 small layers, one or two buckets): the slope is what each
+    # gradient costs in Python; torch's C++ reducer makes no call, a call per bucket is amortized
+    few, many = (run_ranks(trace_backwards, 2, 3, layers)[0][-1][1] for layers in (8, 64))
+    per_parameter = (many - few) / (128 - 16)
+    print(f"calls: {few} for 16 parameters, {many} for 128: {per_parameter:.2f} per extra parameter")
+    assert per_parameter <= 2.0, (few, many, per_parameter)

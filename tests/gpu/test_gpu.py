@@ -2,7 +2,8 @@
 
 Skipped without CUDA; run with ``make test-gpu``. A single GPU gives a world of one on NCCL (NCCL
 refuses two ranks on one device); two ranks share that GPU over gloo with CUDA tensors. The ranks
-fork: nothing here may initialize CUDA in the parent (``is_available`` does not).
+are spawned (``run_ranks`` does so for NCCL; the gloo test asks): a forked child cannot initialize CUDA
+once the parent has touched the driver, which ``torch.cuda.is_available()`` may do.
 """
 import contextlib
 import copy
@@ -125,7 +126,8 @@ def test_gradients_equal_torch_ddp_on_nccl(opts, accum):
 
 
 def test_two_ranks_share_one_gpu_over_gloo():
-    for (mine, reference), _ in run_ranks(against_torch, 2, {"bucket_cap_mb": 0.01}, 2, backend="gloo"):
+    ranks = run_ranks(against_torch, 2, {"bucket_cap_mb": 0.01}, 2, backend="gloo", start_method="spawn")
+    for (mine, reference), _ in ranks:
         assert_close_dicts(mine, reference)
 
 

@@ -198,4 +198,5 @@ def shadow_backward(reducer: Reducer) -> None:
             "ran a different sequence of collectives (a forward with gradients enabled must be "
             "followed by exactly one backward inside model.join())"
         )
-    reducer.after_shadowed_sync()  # re-plans, and times bucket_cap_mb="auto"'s candidates, as the others do
+    reducer.counters.sync += 1  # it took part in the active ranks' synced backward:
+    reducer.layout.after_sync(None, shadowed=True)  # re-plans, and times "auto"'s candidates, as the others do

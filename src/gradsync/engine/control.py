@@ -119,6 +119,13 @@ class Counters:
         self.pending, self.forward_end, self.armed = self.pending + 1, time.perf_counter(), bool(sync)
         self.forward += training
 
+    def take_backward(self) -> bool:
+        """A backward starts: whether a forward prepared it (it counts then)."""
+        if self.pending == 0:
+            return False
+        self.pending, self.backward = self.pending - 1, self.backward + 1
+        return True
+
 
 class ControlPlane:
     headers = True  # False only to measure what the headers cost (benchmarks)

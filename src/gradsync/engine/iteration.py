@@ -23,6 +23,8 @@ class IterationState:
     divide: bool = True  # the store divides as it copies in (read once per synced backward)
     checked: bool = False  # the graph decides readiness (static_graph, or a gradient seen twice: graph.py)
     order: list[int] | None = None  # the first synced backward's gradient-ready order (layout.py)
+    per_bucket: bool = False  # gradients are copied in per full bucket (the store's copies_per_bucket)
+    fast: bool = False  # the hooks count gradients in without a call (reducer._hook)
 
     def restart(self, n: int) -> None:
         """Launch every bucket again (a new group): the hooks so far are all this backward had."""

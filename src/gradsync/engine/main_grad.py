@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from .._torch import version
-from .store import check_grad
+from .checks import check_grad
 
 
 class MainGrads:

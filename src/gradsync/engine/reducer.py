@@ -1,12 +1,11 @@
 """The reducer: one synced backward, from a gradient's hook to the averaged ``.grad``.
 
 It knows parameters, buckets and a process group: nothing of modules, optimizers or the features above.
-Parts: ``store`` (bucket memory), ``launcher`` (a bucket's collective), ``plane`` (``control.py``), ``it``
-(what this backward has seen). The trip, in verbs:
-a gradient's hook calls ``on_grad_ready``; ``register_grad_ready`` copies it into its bucket slot; a full
-bucket starts its collective, in index order on every rank (``start_grad_sync``); the end-of-backward
-callback runs ``finish_grad_sync``: ``reduce`` waits for the buckets and the control and checks it,
-``commit`` writes the averages back. A commit protocol (``protocol.py``) attaches with ``attach``.
+Parts: ``store`` (bucket memory), ``launcher`` (a bucket's collective), ``plane`` (``control.py``), ``it`` (what this
+backward has seen). The trip: a gradient's hook counts it into its bucket (``register_grad_ready``, inline in the
+hook); a full bucket copies its gradients in and starts its collective, in index order on every rank
+(``start_grad_sync``); the end-of-backward callback runs ``finish_grad_sync``: ``reduce`` waits for the buckets and
+the control and checks it, ``commit`` writes the averages back. A commit protocol attaches (``protocol.attach``).
 """
 from __future__ import annotations
 
@@ -33,7 +32,8 @@ from .launcher import BucketLauncher
 from .layout import Layout
 from .errors import PeerFailure
 from .replay import reduce_again_without
-from .store import BucketStore, check_finite
+from .checks import check_finite
+from .store import Bucket, BucketStore
 from .unused import UnusedBuckets
 
 
@@ -44,36 +44,32 @@ class Reducer:
         """``switch.require_backward_grad_sync`` is read at each backward; ``store`` and ``launcher`` (given the plane)."""
         self.params, self.names, self.config = list(params), list(names), config
         self.group, self.rank, self.world_size = process_group, dist.get_rank(process_group), dist.get_world_size(process_group)
-        self.device = self.params[0].device  # the data plane's
-        self.switch = weakref.ref(switch)
+        self.device, self.switch = self.params[0].device, weakref.ref(switch)  # the data plane's device
         self.backward_check: Callable[[bool], None] | None = None  # inside model.join(): checks the sync flag
         self.counters = Counters()
         group, device = control_group(process_group, self.device)  # off CPU, a CPU group: no host syncs
         self.plane = ControlPlane(group, rank=self.rank, world_size=self.world_size, device=device,
                                   timeout=config.timeout, counters=self.counters, data_device=self.device)
         self.store = store or BucketStore(self.params, self.names, world_size=self.world_size, caps=config.caps,
-                                          reduce_dtype=config.reduce_dtype,
-                                          gradient_as_bucket_view=config.gradient_as_bucket_view)
+                                          reduce_dtype=config.reduce_dtype, gradient_as_bucket_view=config.gradient_as_bucket_view)
         self.launcher = launcher(self.plane) if launcher else BucketLauncher(process_group, self.plane, self.params)
         self.it = IterationState()
         self.trace: list[dict] | None = None  # [] records a timeline per synced backward (enable_trace)
         self.bucket_reduced: Callable[[list[int]], None] | None = None  # overlap_optimizer (on_bucket_reduced)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.window_used = [False] * len(self.params)  # used locally since the last synced backward
-        self.unsynced = False  # local gradients are waiting for a synced backward (ddp/guard.py reads it)
-        self.failed_ranks: list[int] = []  # ranks whose latest synced backward failed part-way (replay.py)
+        # local gradients wait for a synced backward (ddp/guard.py reads it); ranks whose latest synced
+        # backward failed part-way (replay.py)
+        self.unsynced, self.failed_ranks = False, []
         self.attached: Any = None  # a commit protocol's Attachment (protocol.attach), set by a feature
         self.last_report, self.measure_norm = None, False  # the latest SyncReport; every rank's local norm too
         self.stragglers = telemetry.Stragglers() if config.straggler_warning else None
         self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
-        self.tracks_graph = config.find_unused_parameters or config.static_graph
         self.finite_check = partial(check_finite, params=self.params, names=self.names) if config.check_finite else None
         self.skips = UnusedBuckets(config.skip_all_reduce_unused_params)  # unused.py: buckets no rank uses
-        self.last_error: tuple[int, str] | None = None  # torch's logger keeps the latest error
-        self.warned_ignored = False
+        self.last_error, self.warned_ignored = None, False  # torch's logger keeps the latest error
         self.layout = Layout(self.store, self.plane, process_group, config)
-        self.auto_caps = AutoCaps(config.user_first_bucket_cap_mb, self) if config.auto_bucket_cap else None
-        self.layout.auto = self.auto_caps
+        self.layout.auto = self.auto_caps = AutoCaps(config.user_first_bucket_cap_mb, self) if config.auto_bucket_cap else None
         me = weakref.ref(self)  # the hooks hold the reducer weakly: parameters outlive a deleted wrapper
         self.handles = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self.params)]
 
@@ -81,12 +77,10 @@ class Reducer:
     sync_count = property(lambda self: self.counters.sync)
     backward_count = property(lambda self: self.counters.backward)
     is_sharded = property(lambda self: self.store.sharded)
+    tracks_graph = property(lambda self: self.config.find_unused_parameters or self.config.static_graph)
 
-    def bucket_plan(self) -> list[list[int]]:  # the buckets as lists of parameter indices
-        return self.store.plan()
-
-    def wait(self, handle: Any, what: str) -> None:  # bounded by the timeout (ControlPlane.wait)
-        self.plane.wait(handle, what)
+    bucket_plan = property(lambda self: self.store.plan)  # () -> the buckets as lists of parameter indices
+    wait = property(lambda self: self.plane.wait)  # (handle, what): bounded by the timeout
 
     def on_bucket_reduced(self, callback: Callable[[list[int]], None] | None) -> None:  # overlap.py
         self.bucket_reduced = callback  # each bucket is written back as soon as reduced, then callback(members)
@@ -99,11 +93,9 @@ class Reducer:
 
     def set_static_graph(self) -> None:  # torch's private _set_static_graph(), before the first backward
         self.config = replace(self.config, static_graph=True)
-        self.tracks_graph = True
 
     def prepare_for_forward(self) -> None:
-        unfinished = self.it
-        if unfinished.in_backward:  # the last backward raised before its end: drop its state
+        if (unfinished := self.it).in_backward:  # the last backward raised before its end: drop its state
             if unfinished.syncing and unfinished.compiled_autograd:
                 raise RuntimeError(messages.COMPILED_AUTOGRAD_UNFINISHED)
             self.reset_iteration()
@@ -116,8 +108,7 @@ class Reducer:
         if self.tracks_graph:
             self.expected.note_forward(outputs, self.config)
 
-    def on_grad_ready(self, i: int, param: torch.Tensor) -> None:
-        """Post-accumulate-grad hook of parameter ``i``."""
+    def on_grad_ready(self, i: int, param: torch.Tensor) -> None:  # the hook of parameter i, when not inline
         it = self.it
         if not it.in_backward:
             it = self.begin_backward()
@@ -137,14 +128,12 @@ class Reducer:
         self.it = it = IterationState(in_backward=True, compiled_autograd=compiled)
         if not compiled:
             queue_end_of_backward(self.finish_grad_sync)
-        syncing = False
-        c = self.counters
-        if c.pending == 0:  # no forward of the wrapper prepared it: local, as in torch
+        syncing, c = False, self.counters
+        if not c.take_backward():  # no forward of the wrapper prepared it: local, as in torch
             if not self.warned_ignored:  # its gradients are reduced at the next synced backward
                 self.warned_ignored = True
                 warnings.warn(messages.UNPREPARED_BACKWARD, stacklevel=3)
         else:
-            c.pending, c.backward = c.pending - 1, c.backward + 1
             if c.backward == 1:  # gradients restored from a mid-window checkpoint are window state
                 self.window_used = [self.store.has_local_grad(i) for i in range(len(self.params))]
             switch = self.switch()
@@ -158,6 +147,9 @@ class Reducer:
         if syncing:
             for i in self.start_sync(it):
                 self.register_grad_ready(i, from_hook=False)
+        # the hooks count gradients in themselves (_hook): nothing per parameter but a list write
+        it.fast = not compiled and (it.per_bucket and not it.checked and it.order is None if syncing
+                                    else not self.store.keeps_local_per_grad)
         return it
 
     def start_sync(self, it: IterationState) -> list[int]:
@@ -170,7 +162,7 @@ class Reducer:
         if not self.layout.rebuilt:
             self.layout.begin_sync()
             it.order = self.layout.ready_order
-        it.divide, it.checked = self.launcher.divides_on_copy, self.config.static_graph
+        it.divide, it.checked, it.per_bucket = self.launcher.divides_on_copy, self.config.static_graph, self.store.copies_per_bucket
         if self.trace is not None:
             it.record = {"iteration": self.counters.sync, "backward_start": time.perf_counter(), "buckets": []}
         if self.skips.enabled:
@@ -186,16 +178,23 @@ class Reducer:
                 it.t_ready = time.perf_counter()
             return
         it.ready[i] = True
-        store = self.store
-        store.copy_in(i, it.divide)
-        bucket = store.buckets[store.bucket_of[i]]
+        if not it.per_bucket:  # a store that takes each gradient as it is ready (sharded, reduce_dtype)
+            self.store.copy_in(i, it.divide)
+        bucket = self.store.buckets[self.store.bucket_of[i]]
         bucket.pending -= 1
         if bucket.pending == 0:
-            if hooked:  # timed per bucket: the backward's last gradient completes its bucket
-                it.t_ready = time.perf_counter()
-            if it.record is not None:
-                bucket.times = {"ready": time.perf_counter()}
-            self.start_grad_sync()
+            self.bucket_ready(bucket, hooked)
+
+    def bucket_ready(self, bucket: Bucket, hooked: bool = True) -> None:
+        """Every member of ``bucket`` is in: copy the bucket's gradients in (per bucket) and start syncs."""
+        it = self.it
+        if hooked:  # timed per bucket: the backward's last gradient completes its bucket
+            it.t_ready = time.perf_counter()
+        if it.per_bucket:
+            self.store.copy_in_bucket(bucket, it.divide)
+        if it.record is not None:
+            bucket.times = {"ready": time.perf_counter()}
+        self.start_grad_sync()
 
     def start_grad_sync(self) -> None:
         """Launch every bucket whose members are ready, strictly in index order."""
@@ -231,7 +230,7 @@ class Reducer:
             self.last_error = messages.logged(exc)  # _get_ddp_logging_data()["error"], as torch's logger
             raise
         finally:
-            self.it.in_backward = self.it.syncing = False
+            self.it.in_backward = self.it.syncing = self.it.fast = False
 
     def reduce(self, failed: int = 0) -> tuple[list[Any] | None, list[int], dict | None]:
         """Launch what is left, wait for the buckets and the control, check it; write nothing back yet."""
@@ -239,8 +238,7 @@ class Reducer:
         if config.static_graph and self.expected.static_counts is None:  # learned: every gradient is in now
             self.expected.static_counts, it.ready = list(it.hook_counts), [True] * n
             store.copy_in_all(self.launcher.divides_on_copy)
-        if it.hooked is None:
-            it.hooked = list(it.ready)
+        it.hooked = list(it.ready) if it.hooked is None else it.hooked
         missing = [i for i in range(n) if not it.hooked[i]]
         for i in range(n):  # launch every bucket anyway so peers are not left waiting
             if not it.ready[i]:
@@ -253,10 +251,9 @@ class Reducer:
         results = None  # the buckets first: the control then carries how long this rank waited for them
         if self.bucket_reduced is not None:  # overlap_optimizer: write back and step bucket by bucket
             store.write_back_as_reduced(self.launcher, self.world_size, self.finite_check, self.bucket_done)
-        elif self.skips.enabled:
-            results = self.skips.results(self.launcher, store.buckets)
-        else:
-            results = [self.launcher.result(b) for b in store.buckets]
+        else:  # every bucket's, or a skipped one's own buffer (unused.py, only when enabled: off the trip)
+            results = self.skips.results(self.launcher, store.buckets) if self.skips.enabled else [
+                self.launcher.result(b) for b in store.buckets]
         self.launcher.before_control([b.handle for b in store.buckets])
         # its own work, and every wait on the others: in its hooks (the header) and after its last gradient
         times = (max((ready - self.counters.forward_end - it.hook_wait) * 1e6, 0), (time.perf_counter() - ready + it.hook_wait) * 1e6)
@@ -268,8 +265,7 @@ class Reducer:
             results = reduce_again_without(self, verdict.failed)
         if self.skips.enabled:
             results = self.skips.after_control(self, verdict.counts, results, self.may_skip())
-        else:
-            self.skips.reduced = sum(b.handle is not None for b in store.buckets)
+        self.skips.reduced = sum(b.handle is not None for b in store.buckets)  # torch's num_buckets_reduced
         if self.finite_check is not None and results is not None and not store.sharded:
             self.finite_check(results, [b.members for b in store.buckets])
         if config.static_graph and missing:
@@ -290,13 +286,7 @@ class Reducer:
         if self.layout.ready_order is not None or self.layout.auto is not None:
             self.layout.after_sync(record)  # re-plans once from the observed order; "auto" times it
 
-    def after_shadowed_sync(self) -> None:
-        """A joined rank took part in the active ranks' synced backward (``ddp/join.py``)."""
-        self.counters.sync += 1
-        self.layout.after_sync(None, shadowed=True)
-
-    def bucket_done(self, members: list[int]) -> None:
-        """overlap_optimizer: a bucket was written back before the control: step it now."""
+    def bucket_done(self, members: list[int]) -> None:  # overlap_optimizer: written back before the control
         for i in members:
             self.window_used[i] = False  # synced now: the step guard lets the step through
         self.bucket_reduced(members)
@@ -307,8 +297,7 @@ class Reducer:
         self.launcher.reset()
         self.store.reset()
 
-    def may_skip(self) -> bool:
-        """Whether skip_all_reduce_unused_params may skip now: the same on every rank (unused.py)."""
+    def may_skip(self) -> bool:  # skip_all_reduce_unused_params may skip now: the same on every rank
         return self.bucket_reduced is None and self.plane.active_ranks is None
 
     def remove_hooks(self) -> None:
@@ -320,9 +309,21 @@ class Reducer:
 
 def _hook(reducer: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
     def hook(param: torch.Tensor) -> None:
-        me = reducer()
-        if me is not None:  # once the wrapper is gone, its parameters train locally
-            me.on_grad_ready(i, param)
+        me = reducer()  # None once the wrapper is gone: its parameters train locally
+        it = me.it if me is not None else None
+        if it is None or not it.fast or (it.syncing and it.ready[i]):
+            if me is not None:
+                me.on_grad_ready(i, param)
+            return
+        # register_grad_ready, inline: on many small parameters a call each was most of the hook
+        if param.grad is not None:
+            me.window_used[i] = True
+        if it.syncing:
+            it.ready[i] = True
+            bucket = me.store.buckets[me.store.bucket_of[i]]
+            bucket.pending -= 1
+            if bucket.pending == 0:
+                me.bucket_ready(bucket)
     return hook
 
 

@@ -9,15 +9,16 @@ ZeRO-2-style shards.
 """
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from .layout import plan_buckets
+from .checks import check_grad, is_view_of, warn_create_graph
 from .config import Caps
+from .layout import plan_buckets
+from .main_grad import MainGrads
 from .._torch import foreach_copy_, foreach_div_
 
 
@@ -35,6 +36,7 @@ class Bucket:
     divided: int = 0
     undivided: list[torch.Tensor] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)  # the comm trace's timestamps
+    large: frozenset[int] = frozenset()  # positions of members of SMALL_SLOT elements or more
 
 
 # A gradient of fewer elements is copied into its slot and divided with the bucket's other small slots
@@ -44,49 +46,14 @@ class Bucket:
 SMALL_SLOT = 1 << 14
 
 
-def is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
-    return grad is not None and grad.data_ptr() == view.data_ptr()
-
-
-def warn_create_graph() -> None:
-    warnings.warn(
-        "gradsync: backward(create_graph=True) with DistributedDataParallel: the gradients are "
-        "averaged across ranks, but the higher-order graph is not (as in torch's DDP): gradients of "
-        "the gradients stay rank-local.", stacklevel=4)
-
-
-def check_grad(grad: torch.Tensor, view: torch.Tensor, name: str) -> None:
-    """Raise unless ``grad`` can be copied into its bucket slot ``view`` without conversion."""
-    if grad.layout != torch.strided:
-        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.layout} gradient; only dense "
-                           "gradients are supported (e.g. nn.Embedding(sparse=False))")
-    if grad.dtype != view.dtype:
-        raise RuntimeError(f"gradsync: parameter '{name}' has a {grad.dtype} gradient, but it and its "
-                           f"bucket are {view.dtype}; assign gradients of the parameter's dtype")
-    if grad.shape != view.shape:
-        raise RuntimeError(f"gradsync: parameter '{name}' has a gradient of shape {tuple(grad.shape)}, "
-                           f"expected {tuple(view.shape)}")
-
-
-def check_finite(results: Sequence[torch.Tensor], members: Sequence[Sequence[int]],
-                 params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
-    """Raise naming the parameters whose reduced gradient holds NaN or inf (one check per bucket)."""
-    if bool(torch.stack([torch.isfinite(r).all() for r in results]).all()):
-        return
-    bad = [names[i] for result, idx in zip(results, members)
-           for i, part in zip(idx, result.reshape(-1).split([params[i].numel() for i in idx]))
-           if not bool(torch.isfinite(part).all())]
-    raise FloatingPointError(
-        f"gradsync: the synchronized gradient of {len(bad)} parameter(s) contains NaN or inf: "
-        f"{', '.join(bad[:20])}{' ...' if len(bad) > 20 else ''} (on at least one rank the local gradient "
-        "was not finite). The gradients were not written back; skip this step (optimizer.zero_grad()) or "
-        "lower the learning rate / use loss scaling.")
-
-
 class BucketStore:
     """Gradient buckets of full size, one per group of parameters, averaged by an all-reduce."""
 
     replans = True  # buckets may be laid out again from the observed gradient order
+    # the reducer copies a bucket's gradients in once all are ready (copy_in_bucket), and a local
+    # backward needs nothing per gradient, unless a window slot or a view stands in for .grad
+    copies_per_bucket = property(lambda self: self.main is None)
+    keeps_local_per_grad = property(lambda self: self.main is not None or self.grad_as_view)
     # the window's local gradients survive a reduction (not views of the buckets, nor their slots)
     keeps_local_grads = property(lambda self: not self.grad_as_view and self.main is None)
     sharded = False
@@ -105,7 +72,6 @@ class BucketStore:
         self._build(plan_buckets(params, *caps))
         self.main = None
         if reduce_dtype is not None:
-            from .main_grad import MainGrads  # here: it imports this module's check_grad
             self.main = MainGrads(params, names, self.slot, world_size=world_size, grad_is_slot=gradient_as_bucket_view)
             self.main.link(self.views, None)
 
@@ -123,7 +89,8 @@ class BucketStore:
                 offset += p.numel()
                 self.views[i] = views[-1]
                 self.bucket_of[i] = b
-            self.buckets.append(Bucket(b, list(members), buffer, views))
+            large = frozenset(k for k, view in enumerate(views) if view.numel() >= SMALL_SLOT)
+            self.buckets.append(Bucket(b, list(members), buffer, views, large=large))
         self.view_ptrs = [v.data_ptr() for v in self.views]
         if old_views is None:
             return
@@ -185,6 +152,33 @@ class BucketStore:
                 self.params[i].grad = view
         if divide:
             self._divide_when_complete(self.buckets[self.bucket_of[i]], view, now, grad is None)
+
+    def copy_in_bucket(self, bucket: Bucket, divide: bool) -> None:
+        """``copy_in`` for every member of a complete bucket, the small gradients in one call (a call per
+        small tensor was most of the cost on models of many small parameters)."""
+        grads = [self.params[i].grad for i in bucket.members]
+        for grad, view in zip(grads, bucket.views):  # anything unusual: one member at a time, as copy_in
+            if (grad is None or grad.requires_grad or grad.layout is not torch.strided or grad.dtype is not view.dtype
+                    or grad.shape != view.shape):
+                for i in bucket.members:
+                    self.copy_in(i, divide)
+                return
+        views, members, ptrs = bucket.views, bucket.members, self.view_ptrs
+        fresh = ([k for k, i in enumerate(members) if grads[k].data_ptr() != ptrs[i]] if self.grad_as_view
+                 else range(len(members)))  # with views, .grad may already be its slot
+        large = [k for k in fresh if k in bucket.large] if divide and bucket.large else []
+        for k in large:  # divided on their way in: one pass over their memory
+            torch.div(grads[k], self.world_size, out=views[k])
+        small = [k for k in fresh if k not in large] if large else fresh
+        if small:
+            foreach_copy_([views[k] for k in small], [grads[k] for k in small])
+        if self.grad_as_view:
+            for k in fresh:
+                self.params[members[k]].grad = views[k]
+        if divide and not large:
+            bucket.buffer.div_(self.world_size)
+        elif divide and len(large) < len(members):
+            foreach_div_([v for k, v in enumerate(views) if k not in large], self.world_size)
 
     def _divide_when_complete(self, bucket: Bucket, view: torch.Tensor, divided: bool, zero: bool) -> None:
         """Count a member in; once all are, divide what was not divided on the way: the whole buffer
@@ -323,4 +317,4 @@ class BucketStore:
         """Only for ``exclusive`` stores: raise for an optimizer that must not step these parameters."""
 
 
-__all__ = ["Bucket", "BucketStore", "check_finite", "check_grad", "is_view_of"]
+__all__ = ["Bucket", "BucketStore", "SMALL_SLOT"]

@@ -68,8 +68,7 @@ class UnusedBuckets:
             reducer.launcher.launch(b, buckets, reducer.it.record is not None)
             if results is not None:
                 results[b.index] = reducer.launcher.result(b)
-        self.reduced = sum(b.handle is not None for b in buckets)
-        self.unused = frozenset(i for i, c in enumerate(counts) if c == 0) if allowed else None
+        self.unused = frozenset(i for i, c in enumerate(counts) if c == 0) if allowed and self.enabled else None
         self.skipped = frozenset()
         return results
 

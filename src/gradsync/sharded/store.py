@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..engine.config import Caps
-from ..engine.store import check_grad
+from ..engine.checks import check_grad
 from ..engine.layout import plan_buckets
 from ..engine.main_grad import MainGrads
 from ..engine.store import Bucket, BucketStore
@@ -43,6 +43,8 @@ class ShardedBucketStore:
     replans = False  # parameters live in bucket-shaped buffers laid out at construction
     sharded = True
     keeps_local_grads = False  # copy_in releases .grad into the staging buckets
+    copies_per_bucket = False  # each gradient as it is ready: its .grad is released at once
+    keeps_local_per_grad = True
     exclusive = True  # only ShardedOptimizer may step these parameters (.grad is None after a sync)
     gathers = None  # ShardedOptimizer(prefetch=True)'s pending parameter all-gathers (sharded_prefetch.py)
 

@@ -1,4 +1,4 @@
-"""Run a function on W local ranks: forked processes, gloo, file:// rendezvous, bounded in time."""
+"""Run a function on W local ranks: forked processes (spawned for CUDA), file:// rendezvous, bounded in time."""
 from __future__ import annotations
 
 import multiprocessing
@@ -22,16 +22,19 @@ class RankError(RuntimeError):
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
               pg_timeout: float | None = 20.0, backend: str = "gloo", threads: int = 1,
-              return_errors: bool = False) -> list[Any]:
+              return_errors: bool = False, start_method: str | None = None) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` forked processes; return their results.
 
     Each rank joins a fresh process group (file:// store, ``pg_timeout`` seconds; None: torch's
     default, as a user's script gets). A rank's
     exception is re-raised here with its rank number and traceback; ranks still running after
     ``timeout`` seconds are killed. With ``return_errors``, a failed rank's entry in the result
-    list is a ``RankError`` instead and nothing is raised. Fork makes a 2-4 rank run cost ~0.1 s instead of seconds.
+    list is a ``RankError`` instead and nothing is raised. Fork makes a 2-4 rank run cost ~0.1 s instead of seconds;
+    ``start_method`` (default: "spawn" for NCCL, else "fork") is "spawn" wherever the ranks use CUDA, which a
+    forked child cannot initialize once the parent has touched the driver (``torch.cuda.is_available()`` may);
+    spawned ranks import ``fn`` by name, so it must be a module-level function.
     """
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context(start_method or ("spawn" if backend == "nccl" else "fork"))
     fd, store = tempfile.mkstemp(prefix="gradsync-store-")
     os.close(fd)
     os.unlink(store)  # the file store creates it; a stale file would confuse the rendezvous
