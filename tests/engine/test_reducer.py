@@ -214,10 +214,14 @@ def test_mixed_dtypes_get_separate_buckets_and_frozen_params_are_left_alone():
             torch.testing.assert_close(got[name], want[name], atol=tol, rtol=tol)
 
 
-def changed_after_wrapping(rank, world_size, how):
+def changed_after_wrapping(rank, world_size, how, trained):
     module = mlp()
     model = gradsync.DDP(module)
-    if how == "added":
+    if trained:  # the wrapper keeps its walk of the module tree: a change must still be seen
+        model(torch.randn(2, 8)).sum().backward()
+    if how == "removed":
+        del module[0].bias
+    elif how == "added":
         module.extra = nn.Linear(2, 2)
     elif how == "frozen":
         module[0].weight.requires_grad_(False)
@@ -230,9 +234,24 @@ def changed_after_wrapping(rank, world_size, how):
         model(torch.randn(2, 8))
 
 
-@pytest.mark.parametrize("how", ["added", "frozen", "replaced"])
-def test_parameters_changed_after_wrapping_raise(how):
-    run_ranks(changed_after_wrapping, 2, how)
+@pytest.mark.parametrize("how,trained", [("added", False), ("frozen", False), ("replaced", False),
+                                         ("added", True), ("frozen", True), ("replaced", True), ("removed", True)])
+def test_parameters_changed_after_wrapping_raise(how, trained):
+    run_ranks(changed_after_wrapping, 2, how, trained)
+
+
+def test_the_module_walk_is_kept_until_a_module_changes():
+    from gradsync.ddp.snapshot import module_tensors, snapshot
+    module = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    snap = snapshot(module)
+    first = module_tensors(module, snap)
+    assert module_tensors(module, snap) is first  # nothing changed: no walk
+    assert first == (list(module.parameters()), list(module.buffers()))
+    module[0].register_buffer("scale", torch.ones(2))  # a module's own slots changed: walked again
+    again = module_tensors(module, snap)
+    assert again is not first and again[1] == list(module.buffers()) and len(again[1]) == len(first[1]) + 1
+    module[1] = nn.BatchNorm1d(2)  # a child replaced
+    assert module_tensors(module, snap)[1] == list(module.buffers())
 
 
 def misuse(rank, world_size, what):

@@ -6,26 +6,44 @@ forward, while ``torch.func.functional_call`` may substitute them for the length
 """
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from .._torch import caller_frame, functional_call_code, module_slots
+from .._torch import caller_frame, functional_call_code, module_slots, module_slots_unchanged
 
 
-def snapshot(module: nn.Module) -> list[tuple]:
-    return [(p, p.requires_grad, p.dtype, p.device) for p in module.parameters()]
+@dataclass
+class Snapshot:
+    """The parameters a wrapper saw at construction, by column; and the module tree at the latest walk."""
+
+    params: list[torch.Tensor]
+    requires_grad: list[bool]
+    dtypes: list[torch.dtype]
+    devices: list[torch.device]
+    slots: list[tuple] | None = None  # each module's own (parameters, buffers, children), by identity
+    tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what that walk found
+
+
+def snapshot(module: nn.Module) -> Snapshot:
+    params = list(module.parameters())
+    return Snapshot(params, [p.requires_grad for p in params], [p.dtype for p in params], [p.device for p in params])
 
 
 _WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members", "named_modules")
 
 
-def module_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def module_tensors(module: nn.Module, snap: Snapshot | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``list(module.parameters())`` and ``list(module.buffers())``, the same tensors in the same order,
     in one walk over the module tree without building names (the wrapper runs it before each forward:
-    on a model of hundreds of modules the two torch walks cost milliseconds). A module tree whose
-    classes override one of torch's walks is walked by torch's own methods."""
+    on a model of hundreds of modules the two torch walks cost milliseconds). With ``snap``, the walk is
+    kept and runs again only once a module's own slots changed (checked by identity, a fraction of a
+    walk). A module tree whose classes override one of torch's walks is walked by torch's own methods."""
+    if snap is not None and snap.slots is not None and module_slots_unchanged(snap.slots):
+        return snap.tensors  # type: ignore[return-value]
     if any(getattr(type(module), name) is not getattr(nn.Module, name) for name in _WALKS):
         return list(module.parameters()), list(module.buffers())
     params: list[torch.Tensor] = []
@@ -33,6 +51,7 @@ def module_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Te
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
     seen_modules: set[nn.Module] = set()  # as torch's named_modules memo: each module once, pre-order
+    slots: list[tuple] = []
     stack = [module]
     named_modules = nn.Module.named_modules
     while stack:
@@ -42,7 +61,8 @@ def module_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Te
         if type(m).named_modules is not named_modules:
             return list(module.parameters()), list(module.buffers())
         seen_modules.add(m)
-        own_params, own_buffers, children = module_slots(m)
+        own_params, own_buffers, children = (tuple(v) for v in module_slots(m))
+        slots.append((m, own_params, own_buffers, children))
         for p in own_params:
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
@@ -52,26 +72,29 @@ def module_tensors(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Te
                 seen_buffers.add(id(b))
                 buffers.append(b)
         stack.extend([c for c in reversed(children) if c is not None])
+    if snap is not None:
+        snap.slots, snap.tensors = slots, (params, buffers)
+        return snap.tensors
     return params, buffers
 
 
-def parameters_swapped(module: nn.Module, taken: list[tuple], own: Sequence[torch.Tensor],
+def parameters_swapped(module: nn.Module, taken: Snapshot, own: Sequence[torch.Tensor],
                        current: list[torch.Tensor] | None = None) -> bool:
     """Return True while ``torch.func.functional_call`` substitutes all of ``own`` (then the
     forward is local); raise if the parameters changed for good. ``current``: the module's
     parameters, when the caller already listed them (``module_tensors``)."""
     if current is None:
         current = list(module.parameters())
-    if len(current) == len(taken) and all(
-            p is q and p.requires_grad == rg and p.dtype is dt and p.device == dev
-            for p, (q, rg, dt, dev) in zip(current, taken)):
+    if (len(current) == len(taken.params) and all(map(operator.is_, current, taken.params))
+            and [p.requires_grad for p in current] == taken.requires_grad
+            and [p.dtype for p in current] == taken.dtypes and [p.device for p in current] == taken.devices):
         return False
     if inside_functional_call():
         # like torch: gradients of the substituted tensors stay local; if some of gradsync's
         # parameters are still in use, the backward synchronizes them as usual
         mine = {id(p) for p in own}
         return not any(id(p) in mine for p in current)
-    if len(current) == len(taken):
+    if len(current) == len(taken.params):
         _raise_converted(module, taken)
     raise RuntimeError(
         "gradsync: the module's parameters changed after it was wrapped (a parameter was added, "
@@ -80,10 +103,10 @@ def parameters_swapped(module: nn.Module, taken: list[tuple], own: Sequence[torc
     )
 
 
-def _raise_converted(module: nn.Module, taken: list[tuple]) -> None:
+def _raise_converted(module: nn.Module, taken: Snapshot) -> None:
     """Raise if a parameter changed dtype or device: module.double() and .to() keep the
     Parameter objects (except to or from meta) and swap their data."""
-    for (name, p), (_, _, dtype, device) in zip(module.named_parameters(), taken):
+    for (name, p), dtype, device in zip(module.named_parameters(), taken.dtypes, taken.devices):
         if p.dtype is not dtype or p.device != device:
             raise RuntimeError(
                 f"gradsync: parameter {name!r} changed from {dtype} on {device} to {p.dtype} on "

@@ -143,7 +143,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         reducer.prepare_for_forward()
         if self.delayed is not None:
             self.delayed.prepare_for_forward()
-        current, module_buffers = module_tensors(self.module)  # one walk for both (snapshot.py)
+        current, module_buffers = module_tensors(self.module, self.param_snapshot)  # a walk only after a change
         swapped = parameters_swapped(self.module, self.param_snapshot, reducer.params, current)
         check_group(self.process_group)
         src = self.join_state.before_forward() if self.join_state is not None and join_enabled(self) else 0

@@ -25,6 +25,7 @@ class IterationState:
     order: list[int] | None = None  # the first synced backward's gradient-ready order (layout.py)
     per_bucket: bool = False  # gradients are copied in per full bucket (the store's copies_per_bucket)
     fast: bool = False  # the hooks count gradients in without a call (reducer._hook)
+    adopt: bool = False  # gradient views: a local backward's hook makes a replaced .grad its slot again
 
     def restart(self, n: int) -> None:
         """Launch every bucket again (a new group): the hooks so far are all this backward had."""

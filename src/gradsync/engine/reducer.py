@@ -147,9 +147,8 @@ class Reducer:
         if syncing:
             for i in self.start_sync(it):
                 self.register_grad_ready(i, from_hook=False)
-        # the hooks count gradients in themselves (_hook): nothing per parameter but a list write
-        it.fast = not compiled and (it.per_bucket and not it.checked and it.order is None if syncing
-                                    else not self.store.keeps_local_per_grad)
+        it.adopt, local = self.store.adopts_views, not self.store.keeps_local_per_grad  # the hooks' own path (_hook)
+        it.fast = not compiled and (it.per_bucket and not it.checked and it.order is None if syncing else local)
         return it
 
     def start_sync(self, it: IterationState) -> list[int]:
@@ -221,11 +220,8 @@ class Reducer:
     def finish_grad_sync(self, failed: int = 0) -> None:
         """The end of backward: reduce, then commit (with a protocol: once every member holds it)."""
         try:
-            if self.it.syncing:
-                if self.attached is None:
-                    self.commit(*self.reduce(failed))
-                else:
-                    self.commit(*self.attached.reduce_until_committed(failed))
+            if self.it.syncing:  # with a protocol: reduced until every member holds it
+                self.commit(*(self.reduce(failed) if self.attached is None else self.attached.reduce_until_committed(failed)))
         except Exception as exc:
             self.last_error = messages.logged(exc)  # _get_ddp_logging_data()["error"], as torch's logger
             raise
@@ -316,9 +312,13 @@ def _hook(reducer: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
                 me.on_grad_ready(i, param)
             return
         # register_grad_ready, inline: on many small parameters a call each was most of the hook
-        if param.grad is not None:
+        grad = param.grad
+        if grad is not None:
             me.window_used[i] = True
-        if it.syncing:
+        if not it.syncing:  # keep_local, only where a view was replaced by autograd
+            if it.adopt and grad is not None and grad.data_ptr() != me.store.view_ptrs[i]:
+                me.store.keep_local(i)
+        else:
             it.ready[i] = True
             bucket = me.store.buckets[me.store.bucket_of[i]]
             bucket.pending -= 1

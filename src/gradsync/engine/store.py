@@ -53,7 +53,8 @@ class BucketStore:
     # the reducer copies a bucket's gradients in once all are ready (copy_in_bucket), and a local
     # backward needs nothing per gradient, unless a window slot or a view stands in for .grad
     copies_per_bucket = property(lambda self: self.main is None)
-    keeps_local_per_grad = property(lambda self: self.main is not None or self.grad_as_view)
+    keeps_local_per_grad = property(lambda self: self.main is not None)
+    adopts_views = property(lambda self: self.grad_as_view)  # a local .grad not its slot: keep_local copies it in
     # the window's local gradients survive a reduction (not views of the buckets, nor their slots)
     keeps_local_grads = property(lambda self: not self.grad_as_view and self.main is None)
     sharded = False

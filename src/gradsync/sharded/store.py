@@ -45,6 +45,7 @@ class ShardedBucketStore:
     keeps_local_grads = False  # copy_in releases .grad into the staging buckets
     copies_per_bucket = False  # each gradient as it is ready: its .grad is released at once
     keeps_local_per_grad = True
+    adopts_views = False
     exclusive = True  # only ShardedOptimizer may step these parameters (.grad is None after a sync)
     gathers = None  # ShardedOptimizer(prefetch=True)'s pending parameter all-gathers (sharded_prefetch.py)
 
