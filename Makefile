@@ -29,8 +29,13 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/gradsync demo
 
+# Two workers (-n 2): the suite is CPU-bound forked ranks and fresh interpreters, and one worker computes
+# while the other waits on a rank's bounded timeout. --dist loadgroup: each test to whichever worker is
+# free, but a file with costly module fixtures stays on one (tests/conftest.py, ONE_WORKER).
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest tests -n $(TEST_WORKERS) --dist loadgroup
 
 # on a machine with CUDA: the GPU tests (skipped elsewhere) and the GPU benchmark
 test-gpu: install

@@ -11,8 +11,8 @@ the tested range).
 from __future__ import annotations
 
 import contextlib
-import operator
 import sys
+from itertools import chain
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -151,14 +151,16 @@ def module_slots(module: torch.nn.Module) -> tuple[Any, Any, Any]:
     return module._parameters.values(), module._buffers.values(), module._modules.values()
 
 
-def module_slots_unchanged(recorded: list[tuple]) -> bool:
-    """Whether every ``(module, parameters, buffers, children)`` recorded by a walk (``module_slots``) still
-    holds the same objects, compared by identity: one pass, no tree walk, nothing built."""
-    for module, params, buffers, children in recorded:
-        for now, then in ((module._parameters, params), (module._buffers, buffers), (module._modules, children)):
-            if len(now) != len(then) or not all(map(operator.is_, now.values(), then)):
-                return False
-    return True
+def module_slot_dicts(module: torch.nn.Module) -> tuple[dict, dict, dict]:
+    """A module's own ``_parameters``, ``_buffers`` and ``_modules`` dicts."""
+    return module._parameters, module._buffers, module._modules
+
+
+def slot_ids(dicts: list[dict]) -> tuple[list[int], list[int]]:
+    """Each dict's length, and the ids of all their values in order: compared with an earlier pair they
+    show, without a Python loop, whether any dict gained, lost or replaced a value since (the caller keeps
+    the values alive, so no id is reused)."""
+    return list(map(len, dicts)), list(map(id, chain.from_iterable(map(dict.values, dicts))))
 
 
 def caller_frame() -> Any:
@@ -238,7 +240,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "caller_frame", "module_slots", "module_slots_unchanged", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
+__all__ = ["BatchNormBase", "Future", "caller_frame", "module_slots", "module_slot_dicts", "slot_ids", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
            "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",

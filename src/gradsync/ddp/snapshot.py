@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._torch import caller_frame, functional_call_code, module_slots, module_slots_unchanged
+from .._torch import caller_frame, functional_call_code, module_slot_dicts, module_slots, slot_ids
 
 
 @dataclass
@@ -24,7 +24,7 @@ class Snapshot:
     requires_grad: list[bool]
     dtypes: list[torch.dtype]
     devices: list[torch.device]
-    slots: list[tuple] | None = None  # each module's own (parameters, buffers, children), by identity
+    slots: tuple | None = None  # the walk's modules' own slot dicts, their lengths and values' ids, the values
     tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what that walk found
 
 
@@ -42,7 +42,7 @@ def module_tensors(module: nn.Module, snap: Snapshot | None = None) -> tuple[lis
     on a model of hundreds of modules the two torch walks cost milliseconds). With ``snap``, the walk is
     kept and runs again only once a module's own slots changed (checked by identity, a fraction of a
     walk). A module tree whose classes override one of torch's walks is walked by torch's own methods."""
-    if snap is not None and snap.slots is not None and module_slots_unchanged(snap.slots):
+    if snap is not None and snap.slots is not None and slot_ids(snap.slots[0]) == snap.slots[1:3]:
         return snap.tensors  # type: ignore[return-value]
     if any(getattr(type(module), name) is not getattr(nn.Module, name) for name in _WALKS):
         return list(module.parameters()), list(module.buffers())
@@ -51,7 +51,7 @@ def module_tensors(module: nn.Module, snap: Snapshot | None = None) -> tuple[lis
     seen_params: set[int] = set()
     seen_buffers: set[int] = set()
     seen_modules: set[nn.Module] = set()  # as torch's named_modules memo: each module once, pre-order
-    slots: list[tuple] = []
+    dicts: list[dict] = []
     stack = [module]
     named_modules = nn.Module.named_modules
     while stack:
@@ -61,8 +61,8 @@ def module_tensors(module: nn.Module, snap: Snapshot | None = None) -> tuple[lis
         if type(m).named_modules is not named_modules:
             return list(module.parameters()), list(module.buffers())
         seen_modules.add(m)
-        own_params, own_buffers, children = (tuple(v) for v in module_slots(m))
-        slots.append((m, own_params, own_buffers, children))
+        own_params, own_buffers, children = module_slots(m)
+        dicts.extend(module_slot_dicts(m))
         for p in own_params:
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))
@@ -73,7 +73,7 @@ def module_tensors(module: nn.Module, snap: Snapshot | None = None) -> tuple[lis
                 buffers.append(b)
         stack.extend([c for c in reversed(children) if c is not None])
     if snap is not None:
-        snap.slots, snap.tensors = slots, (params, buffers)
+        snap.slots, snap.tensors = (dicts, *slot_ids(dicts), [list(d.values()) for d in dicts]), (params, buffers)
         return snap.tensors
     return params, buffers
 
