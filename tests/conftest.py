@@ -1,8 +1,6 @@
 import sys
 from pathlib import Path
 
-import pytest
-
 # Test this checkout's sources even when another checkout is installed in the environment.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # helpers.py, from every test folder
@@ -23,16 +21,3 @@ _warm.grad = torch.zeros(1)
 torch.optim.Adam([_warm]).step()
 del _warm
 
-
-# `make test` runs two pytest-xdist workers with --dist loadgroup: tests go to whichever worker is free,
-# except that each of these files stays on one worker, where its module-scoped fixtures (a framework
-# started, torch's test suite run, a wheel built, golden.pt loaded) are built once.
-ONE_WORKER = ("compat/", "tools/test_wheel.py", "test_golden.py")
-
-
-def pytest_collection_modifyitems(config, items):
-    root = Path(__file__).resolve().parent
-    for item in items:
-        where = Path(str(item.path)).resolve().relative_to(root).as_posix()
-        if where.startswith(ONE_WORKER):
-            item.add_marker(pytest.mark.xdist_group(where))
