@@ -20,4 +20,3 @@ _warm = torch.nn.Parameter(torch.zeros(1))
 _warm.grad = torch.zeros(1)
 torch.optim.Adam([_warm]).step()
 del _warm
-

@@ -58,9 +58,8 @@ class Reducer:
         self.bucket_reduced: Callable[[list[int]], None] | None = None  # overlap_optimizer (on_bucket_reduced)
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.window_used = [False] * len(self.params)  # used locally since the last synced backward
-        # local gradients wait for a synced backward (ddp/guard.py reads it); ranks whose latest synced
-        # backward failed part-way (replay.py)
-        self.unsynced, self.failed_ranks = False, []
+        self.unsynced = False  # local gradients are waiting for a synced backward (ddp/guard.py reads it)
+        self.failed_ranks: list[int] = []  # ranks whose latest synced backward failed part-way (replay.py)
         self.attached: Any = None  # a commit protocol's Attachment (protocol.attach), set by a feature
         self.last_report, self.measure_norm = None, False  # the latest SyncReport; every rank's local norm too
         self.stragglers = telemetry.Stragglers() if config.straggler_warning else None

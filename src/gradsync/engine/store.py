@@ -167,7 +167,7 @@ class BucketStore:
         views, members, ptrs = bucket.views, bucket.members, self.view_ptrs
         fresh = ([k for k, i in enumerate(members) if grads[k].data_ptr() != ptrs[i]] if self.grad_as_view
                  else range(len(members)))  # with views, .grad may already be its slot
-        large = [k for k in fresh if k in bucket.large] if divide and bucket.large else []
+        large = {k for k in fresh if k in bucket.large} if divide and bucket.large else set()
         for k in large:  # divided on their way in: one pass over their memory
             torch.div(grads[k], self.world_size, out=views[k])
         small = [k for k in fresh if k not in large] if large else fresh
