@@ -186,3 +186,32 @@ def test_help(capsys):
         cli.main(["run", "--help"])
     assert exit_.value.code == 0
     assert "--max-restarts" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("options", [[], ["--fresh-interpreters"]], ids=["forked", "fresh"])
+def test_a_replica_starts_as_a_new_interpreter_would(tmp_path, options):
+    """Forked from the launcher's server or not: the script runs as __main__ with its own argv, path, session,
+    environment and random seeds, is the launcher's child, runs its atexit handlers, and a traceback ends it."""
+    body = """
+    import atexit, random
+    import numpy, torch
+    if rid == 1:
+        raise ValueError("replica one fails")
+    atexit.register(lambda: open(os.path.join(out, f"atexit-{rid}"), "w").write("ran"))
+    with open(os.path.join(out, f"seen-{rid}"), "w") as f:
+        print(repr((__name__, sys.argv, sys.path[0], os.getsid(0) == os.getpid(), os.getppid(),
+                    os.environ["GRADSYNC_REPLICAS"], random.random(), int(numpy.random.randint(2**31)),
+                    torch.initial_seed(), signal.getsignal(signal.SIGINT) is signal.default_int_handler)), file=f)
+    """
+    proc = launch(tmp_path, ["--replicas", "3", "--min-replicas", "1", *options], body, ["--flag"])
+    rc, _, err = finish(proc)
+    assert rc == 1, err
+    assert "ValueError: replica one fails" in err and "replica 1 (restart 0) exited with code 1" in err
+    script = str(tmp_path / "replica.py")
+    seen = [eval((tmp_path / f"seen-{i}").read_text()) for i in (0, 2)]
+    for name, argv, path0, own_session, parent, total, _, _, seed, sigint in seen:
+        assert (name, argv, path0, own_session, parent, total) == ("__main__", [script, "--flag"], str(tmp_path),
+                                                                   True, proc.pid, "3")
+        assert sigint  # Python's Ctrl-C handler, not the server's
+    assert all(seen[0][i] != seen[1][i] for i in (6, 7, 8))  # random, numpy and torch draw their own seeds
+    assert [(tmp_path / f"atexit-{i}").read_text() for i in (0, 2)] == ["ran", "ran"]

@@ -10,6 +10,10 @@ launcher on the machine that owns HOST hosts the store (the first one to bind th
 several launchers share a machine); the others connect to it. Replica ids are assigned in blocks
 of ``--replicas``, in the order launchers reach the coordinator. If the launcher hosting the
 coordinator dies, the job ends: the others lose the store.
+
+On Linux, replicas are forked from a server that has imported torch (``forkserver.py``), so a
+replica starts, and restarts, without importing torch again; ``--fresh-interpreters`` starts each
+as a new ``python script.py`` instead.
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from gradsync.tools.elastic.forkserver import Forked, ForkServer, supported
 
 POLL_S = 0.02  # a death is on the critical path of recovery: report it within tens of ms
 HEARTBEAT_S = 0.5
@@ -43,6 +49,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--coordinator", metavar="HOST:PORT",
                         help="the store every launcher shares (default: one on 127.0.0.1, any free port)")
     parser.add_argument("--machines", type=int, default=1, help="launchers taking part (default 1)")
+    parser.add_argument("--fresh-interpreters", action="store_true",
+                        help="start each replica as a new Python process instead of forking it from one that "
+                             "has torch imported (a slower start and restart)")
     parser.add_argument("script", help="the Python script each replica runs")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script unchanged")
     args = parser.parse_args(argv)
@@ -93,7 +102,7 @@ def _is_local(host: str) -> bool:
 @dataclass
 class Replica:
     rid: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | Forked
     restart: int = 0
     ended_by_us: bool = False  # the launcher ended it: its exit is no failure
     kill_at: float | None = None  # SIGKILL if still alive then
@@ -118,6 +127,16 @@ def terminate(rep: Replica, sig: int = signal.SIGTERM) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # before the store: a hosting store runs a thread, and the server must be forked while there is none
+    server = ForkServer() if supported() and not args.fresh_interpreters else None
+    try:
+        run(args, server)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def run(args: argparse.Namespace, server: ForkServer | None) -> None:
     store, address, hosting = connect(args.coordinator)
     machine = store.add("gradsync/machines", 1) - 1
     late = store.check(["gradsync/job/started"])  # its replicas join the running job with new ids
@@ -135,8 +154,10 @@ def main(argv: list[str] | None = None) -> None:
     base_env = {**os.environ, "GRADSYNC_COORDINATOR": address, "GRADSYNC_REPLICAS": str(total),
                 "GRADSYNC_MIN_REPLICAS": str(args.min_replicas), "GRADSYNC_MACHINE": str(machine)}
 
-    def start(rid: int, restart: int) -> subprocess.Popen:
+    def start(rid: int, restart: int) -> subprocess.Popen | Forked:
         env = {**base_env, "GRADSYNC_REPLICA_ID": str(rid), "GRADSYNC_RESTART": str(restart)}
+        if server is not None:
+            return server.spawn([args.script, *args.args], env)
         return subprocess.Popen([sys.executable, args.script, *args.args], env=env, start_new_session=True)
 
     received: list[int] = []

@@ -1,0 +1,152 @@
+"""Start replicas with torch already imported: a fork server for ``gradsync run``.
+
+A new interpreter spends 2-5 CPU-seconds importing torch, and its first optimizer imports
+``torch._dynamo`` (about 2 more). A replica that restarts pays that on the recovery path. The
+launcher forks this server before it starts any thread (the store's server is one); the server
+imports what every replica would, then forks each replica from itself, so a replica starts in
+milliseconds with the same modules a fresh ``python script.py`` would have imported.
+
+Every replica is a child of the launcher, as with ``subprocess.Popen``: the launcher makes itself
+a child subreaper, and the server forks each replica through a short-lived middle process, so the
+replica is handed to the launcher when the middle one exits. The launcher then waits for it with
+``waitpid`` and reads its exit code as it would a ``Popen``'s; orphans of a replica's own children
+come to the launcher too, and it reaps them.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+
+PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "gradsync")  # torch.optim imports torch._dynamo
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def supported() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "fork")
+
+
+class Forked:
+    """A replica forked by the server: the part of ``subprocess.Popen`` the launcher uses."""
+
+    def __init__(self, server: ForkServer, pid: int):
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self.server.reap().pop(self.pid, None)
+        return self.returncode
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            self.server.reap(block=True)
+        return self.returncode
+
+
+class ForkServer:
+    """Fork replicas from a process that has imported ``PRELOAD``; start it before any thread."""
+
+    def __init__(self) -> None:
+        if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+        self.exited: dict[int, int] = {}
+        requests, self._requests = os.pipe()
+        self._replies, replies = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # the server: _serve returns only in a replica, which becomes the script
+            os.close(self._requests)
+            os.close(self._replies)
+            _run(**_serve(requests, replies))
+        os.close(requests)
+        os.close(replies)
+        self._reply_file = os.fdopen(self._replies, "r")
+
+    def spawn(self, argv: list[str], env: dict[str, str]) -> Forked:
+        """Start ``python argv[0] argv[1:]`` with ``env``, in a new session, as this process's child."""
+        try:
+            os.write(self._requests, (json.dumps({"argv": argv, "env": env}) + "\n").encode())
+            line = self._reply_file.readline()
+        except OSError as exc:
+            raise RuntimeError(f"gradsync run: the fork server is gone ({exc})") from exc
+        if not line or int(line) < 0:
+            raise RuntimeError("gradsync run: the fork server could not start a replica (it exited or was killed)")
+        return Forked(self, int(line))
+
+    def reap(self, block: bool = False) -> dict[int, int]:
+        """Collect the exit codes of every child that ended (negative: the signal), keyed by pid."""
+        flags = 0 if block else os.WNOHANG
+        while True:
+            try:
+                pid, status = os.waitpid(-1, flags)
+            except ChildProcessError:
+                break
+            if pid == 0:
+                break
+            self.exited[pid] = os.waitstatus_to_exitcode(status)
+            flags = os.WNOHANG  # one blocking wait at most
+        return self.exited
+
+    def close(self) -> None:
+        """End the server (it exits when its request pipe closes) and reap it."""
+        os.close(self._requests)
+        self._reply_file.close()
+        try:
+            os.waitpid(self.pid, 0)
+        except ChildProcessError:
+            pass  # reaped already
+
+
+def _serve(requests: int, replies: int) -> dict:
+    """Fork a replica per request; return its request in the replica, and never in the server."""
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher's group: the launcher decides
+        for name in PRELOAD:
+            __import__(name)
+        pending = b""
+        while True:
+            while b"\n" not in pending:
+                chunk = os.read(requests, 1 << 16)
+                if not chunk:
+                    os._exit(0)  # the launcher closed the pipe: it is done or gone
+                pending += chunk
+            line, pending = pending.split(b"\n", 1)
+            handoff_r, handoff_w = os.pipe()
+            middle = os.fork()
+            if middle == 0:
+                replica = os.fork()
+                if replica == 0:
+                    for fd in (handoff_r, handoff_w, requests, replies):
+                        os.close(fd)
+                    middle = os.getppid()
+                    while os.getppid() == middle:  # start as the launcher's child, as Popen would
+                        time.sleep(0.001)
+                    return json.loads(line)
+                os.write(handoff_w, f"{replica}\n".encode())
+                os._exit(0)  # the replica is handed to the launcher, the subreaper
+            os.close(handoff_w)
+            pid = os.read(handoff_r, 64) or b"-1\n"
+            os.close(handoff_r)
+            os.waitpid(middle, 0)  # reaped: the replica is the launcher's child before the launcher hears of it
+            os.write(replies, pid)
+    except BaseException:  # the server and the middle never return into the launcher's code
+        os._exit(1)
+
+
+def _run(argv: list[str], env: dict[str, str]) -> None:
+    """Become ``python argv[0] argv[1:]``: the script's SystemExit or exception ends the process."""
+    os.setsid()  # as Popen(start_new_session=True): the launcher signals the replica's whole group
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    os.environ.clear()
+    os.environ.update(env)
+    # a new interpreter seeds torch's and numpy's global generators from the OS (Python's random reseeds at fork)
+    sys.modules["torch"].default_generator.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    sys.argv = list(argv)
+    sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+    runpy.run_path(argv[0], run_name="__main__")
+    raise SystemExit(0)
