@@ -1,6 +1,8 @@
 """torch.compile (issue 15): every compile form gives eager gradsync's and torch's DDP's gradients,
 no recompiles across micro-steps, and bucket collectives that start inside the compiled backward."""
 import contextlib
+import inspect
+import sys
 import time
 
 import torch
@@ -151,6 +153,21 @@ def test_no_recompiles_across_micro_steps_and_windows():
 
 
 # ---------------------------------------------------------------- compiled autograd, inductor
+def compiled_gradsync_functions() -> list[str]:
+    """gradsync's functions Dynamo compiled frames of: its layers only (Chunked), never the wrapper, the engine or
+    the adapter, which run eagerly as torch's DDP does, even called from a backward inside a compiled function."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+    found = []
+    for name, module in list(sys.modules.items()):
+        if name.startswith("gradsync") and name != "gradsync.chunked":
+            for obj in list(vars(module).values()):
+                members = vars(obj).values() if inspect.isclass(obj) else [obj]
+                found += [f"{name}.{f.__qualname__}" for f in members if inspect.isfunction(f)
+                          and f.__code__.co_filename == module.__file__  # not contextlib's helper
+                          and _debug_get_cache_entry_list(f.__code__)]
+    return found
+
+
 def compiled_step(rank, world_size, wrap, autograd, backend):
     # torch's DDP needs its Python reducer under compiled autograd (its C++ reducer raises)
     mode = "python_reducer" if autograd and wrap is TorchDDP else True
@@ -167,15 +184,16 @@ def compiled_step(rank, world_size, wrap, autograd, backend):
             step(shard(x, rank, world_size), shard(y, rank, world_size))
             history.append(unwrapped(model))
             model.zero_grad(set_to_none=True)
-    return history, torch._dynamo.utils.counters["compiled_autograd"]["captures"]
+    return history, torch._dynamo.utils.counters["compiled_autograd"]["captures"], compiled_gradsync_functions()
 
 
 def test_compiled_autograd_and_inductor_match_eager():
     want = run_ranks(windows_eager, 2)[0]
     for wrap, autograd, backend in ((gradsync.DDP, True, BACKEND), (TorchDDP, True, BACKEND),
                                     (gradsync.DDP, False, "inductor")):
-        for history, captures in run_ranks(compiled_step, 2, wrap, autograd, backend, timeout=120):
+        for history, captures, compiled in run_ranks(compiled_step, 2, wrap, autograd, backend, timeout=120):
             assert captures >= autograd, (wrap, backend)
+            assert not compiled, (wrap, backend, compiled)
             for got, ref in zip(history, want, strict=True):
                 assert_close_dicts(got, ref)
 

@@ -19,8 +19,12 @@ MiB = 1024 * 1024
 
 
 def skip_wrapper_frames() -> None:
-    """Make Dynamo run ``gradsync.engine`` (wrapper, reducer, hooks) eagerly, as it runs torch's DDP."""
-    process.skip_in_dynamo("gradsync.engine")  # the package's directory; layers (Chunked) stay traceable
+    """Make Dynamo run the wrapper, the engine and torch's adapter eagerly, as it runs torch's DDP."""
+    # the packages' directories; layers (Chunked) stay traceable. The adapter too: a backward called
+    # inside a compiled function runs the hooks under Dynamo, which otherwise compiled the bucket copy
+    # (_torch.foreach_copy_) once per bucket size, up to its recompile limit
+    for name in ("gradsync.engine", "gradsync.ddp", "gradsync._torch"):
+        process.skip_in_dynamo(name)
 
 
 def bucket_bytes_caps(bucket_cap_mb: float | tuple[float, ...], first_bucket_cap_mb: float) -> tuple[int, int]:

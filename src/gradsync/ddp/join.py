@@ -27,8 +27,7 @@ from torch.distributed.algorithms.join import Join as TorchJoin, JoinHook
 from .._torch import join_enabled, set_authoritative_rank, set_join_config_disabled
 from ..engine.launcher import one_collective
 from ..engine.errors import SyncError
-from ..engine.control import empty_control
-from ..engine.reducer import Reducer
+from ..engine.shadow import shadow_backward
 
 
 class DDPJoinHook(JoinHook):
@@ -174,29 +173,3 @@ def average_over_active_ranks(join: DDPJoinHook, bucket: Any) -> torch.futures.F
     buffer.div_(len(active) if active else reducer.world_size)  # divide first: keeps sums in range
     return dist.all_reduce(buffer, group=reducer.group, async_op=True).get_future().then(
         lambda fut: fut.value()[0])
-
-
-def shadow_backward(reducer: Reducer) -> None:
-    """Take part in the active ranks' synced backward with zero gradients."""
-    reducer.plane.exchange_header(0)
-    works: list = []
-    launcher, buckets = reducer.launcher, reducer.buckets
-    for b in buckets:
-        zeros = torch.zeros_like(b.buffer)
-        views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
-        works.append(launcher.issue(b.index, zeros, views, b.members, works[-1] if works else None,
-                                    b.index == len(buckets) - 1))
-    control = empty_control(reducer.world_size, len(reducer.params), reducer.plane.device)
-    launcher.before_control(works)
-    control_work = reducer.plane.launch_control(control)
-    for b, work in zip(buckets, works):
-        reducer.wait(work, f"bucket {b.index} (shadowed by a joined rank)")
-    reducer.wait(control_work, "the end-of-backward check (shadowed by a joined rank)")
-    if int(control[-1]) != len(reducer.plane.active_ranks or ()):
-        raise SyncError(
-            f"gradsync: joined rank {reducer.rank} shadowed a synced backward, but the active ranks "
-            "ran a different sequence of collectives (a forward with gradients enabled must be "
-            "followed by exactly one backward inside model.join())"
-        )
-    reducer.counters.sync += 1  # it took part in the active ranks' synced backward:
-    reducer.layout.after_sync(None, shadowed=True)  # re-plans, and times "auto"'s candidates, as the others do

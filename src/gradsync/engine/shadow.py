@@ -1,0 +1,42 @@
+"""A joined rank's part in the active ranks' synced backward (``model.join()``, ``ddp/join.py``).
+
+It issues what they issue, in their order, with zero gradients: the phase header (an empty row), every
+bucket's collective, the end-of-backward control; then counts the synced backward as theirs and re-plans
+the buckets as they do.
+"""
+from __future__ import annotations
+
+import torch
+
+from .control import empty_control
+from .errors import SyncError
+from .reducer import Reducer
+
+
+def shadow_backward(reducer: Reducer) -> None:
+    """Take part in the active ranks' synced backward with zero gradients."""
+    reducer.plane.exchange_header(0)
+    works: list = []
+    launcher, buckets = reducer.launcher, reducer.buckets
+    for b in buckets:
+        zeros = torch.zeros_like(b.buffer)
+        views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
+        works.append(launcher.issue(b.index, zeros, views, b.members, works[-1] if works else None,
+                                    b.index == len(buckets) - 1))
+    control = empty_control(reducer.world_size, len(reducer.params), reducer.plane.device)
+    launcher.before_control(works)
+    control_work = reducer.plane.launch_control(control)
+    for b, work in zip(buckets, works):
+        reducer.wait(work, f"bucket {b.index} (shadowed by a joined rank)")
+    reducer.wait(control_work, "the end-of-backward check (shadowed by a joined rank)")
+    if int(control[-1]) != len(reducer.plane.active_ranks or ()):
+        raise SyncError(
+            f"gradsync: joined rank {reducer.rank} shadowed a synced backward, but the active ranks "
+            "ran a different sequence of collectives (a forward with gradients enabled must be "
+            "followed by exactly one backward inside model.join())"
+        )
+    reducer.counters.sync += 1  # it took part in the active ranks' synced backward:
+    reducer.layout.after_sync(None, shadowed=True)  # re-plans, and times "auto"'s candidates, as the others do
+
+
+__all__ = ["shadow_backward"]
