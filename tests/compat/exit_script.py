@@ -24,6 +24,10 @@ import gradsync
 
 
 def main() -> None:
+    if "EXIT_SCRIPT_LOG" in os.environ:  # forked by exit_launches.py: this rank's own output file
+        log = os.open(os.environ["EXIT_SCRIPT_LOG"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
     impl, variant = (sys.argv[1:3] + ["gradsync", "plain"][len(sys.argv[1:3]):])[:2]
     if "hold_gil" in sys.argv[3:]:
         sys.setswitchinterval(1.0)
