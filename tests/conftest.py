@@ -20,3 +20,16 @@ _warm = torch.nn.Parameter(torch.zeros(1))
 _warm.grad = torch.zeros(1)
 torch.optim.Adam([_warm]).step()
 del _warm
+
+# The longest files first. `make test` runs two workers with --dist loadfile, which hands out whole files
+# in collection order as workers free up; a long file collected last (tests/tools sorts last) kept one
+# worker busy for minutes after the other had finished. Longest first leaves only short files for the end.
+LONGEST_FIRST = ("tools/test_benchmark_scripts.py", "elastic/test_elastic.py", "ddp/test_compile.py",
+                 "compat/test_torch_ddp_tests.py", "tools/test_run.py", "accumulate/test_noise_scale.py",
+                 "compat/test_clean_exit.py", "compat/test_lightning_strategy.py", "tools/test_wheel.py")
+
+
+def pytest_collection_modifyitems(items):
+    first = {name: k for k, name in enumerate(LONGEST_FIRST)}
+    # a stable sort: tests keep their order within a file, and the other files theirs
+    items.sort(key=lambda item: first.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(first)))

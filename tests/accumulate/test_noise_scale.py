@@ -12,6 +12,7 @@ import gradsync
 from helpers import run_ranks
 
 D, WSTAR, TRUE_ITEMS = 4, torch.tensor([1.0, 0.0, 0.0, 0.0]), 9.0
+WINDOWS = 500  # of 2 micro-steps on 3 ranks
 
 
 def regression(rank, world_size, windows, steps, items, rows):
@@ -38,15 +39,16 @@ def regression(rank, world_size, windows, steps, items, rows):
 @pytest.mark.parametrize("items", [True, False], ids=["num_items", "mean"])
 def test_noise_scale_matches_the_analytic_value_on_three_ranks(items):
     # uneven item counts (3, 4, 5 rows a micro-step) with num_items; equal rows for mean losses
-    results = [run_ranks(regression, 3, 1000, 2, items, 4, timeout=240)] if not items else None
+    # 500 windows: the estimates land 0.3% and 6% from the analytic value with these seeds (1000: 0.1% and 3%)
+    results = [run_ranks(regression, 3, WINDOWS, 2, items, 4, timeout=240)] if not items else None
     if items:
         def uneven(rank, world_size):
-            return regression(rank, world_size, 1000, 2, True, 3 + rank)
+            return regression(rank, world_size, WINDOWS, 2, True, 3 + rank)
         results = [run_ranks(uneven, 3, timeout=240)]
     values = results[0]
     assert len(set(values)) == 1  # the same value on every rank
     true = TRUE_ITEMS if items else TRUE_ITEMS / 4  # in items, or in micro-batches of 4 items
-    assert abs(values[0] - true) / true < 0.15, values[0]
+    assert abs(values[0] - true) / true < 0.15, values[0] / true
 
 
 def test_noise_scale_on_one_rank_from_micro_steps():

@@ -30,7 +30,11 @@ def launch(tmp_path: Path, *script_args: str, replicas: int = 3, min_replicas: i
            "--out", str(tmp_path), "--windows", str(windows), "--steps", str(STEPS), *script_args]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
                                                          os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired as exc:  # the launcher and its replicas are killed; say what they printed
+        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
+        pytest.fail(f"gradsync run ran past {timeout:g}s; its stderr ends:\n{err[-6000:]}")
 
 
 def reference(events: list[dict], replicas: int, *, items: bool = False, steps: int = STEPS,

@@ -1,4 +1,5 @@
 """`gradsync run`: replicas get their ids and arguments, dead ones restart, the job ends cleanly."""
+import json
 import os
 import signal
 import socket
@@ -215,3 +216,44 @@ def test_a_replica_starts_as_a_new_interpreter_would(tmp_path, options):
         assert sigint  # Python's Ctrl-C handler, not the server's
     assert all(seen[0][i] != seen[1][i] for i in (6, 7, 8))  # random, numpy and torch draw their own seeds
     assert [(tmp_path / f"atexit-{i}").read_text() for i in (0, 2)] == ["ran", "ran"]
+
+
+SLOW_START = """
+import json, os, sys, time
+from gradsync.tools.elastic import forkserver
+real_fork, depth = os.fork, [0]
+
+def fork():  # the third generation (launcher > server > middle > replica) runs late, after the middle is gone
+    pid = real_fork()
+    if pid == 0:
+        depth[0] += 1
+        if depth[0] == 3:
+            time.sleep(0.5)
+    return pid
+
+os.fork = fork
+server = forkserver.ForkServer()
+script = sys.argv[1]
+procs = [server.spawn([script, str(i)], dict(os.environ)) for i in range(3)]
+deadline = time.monotonic() + 60
+while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+    time.sleep(0.05)
+print(json.dumps({"codes": [p.poll() for p in procs], "launcher": os.getpid()}))
+for p in procs:  # none left behind, whatever happened
+    if p.poll() is None:
+        os.kill(p.pid, 9)
+server.close()
+"""
+
+
+def test_a_replica_that_starts_late_still_runs_as_the_launchers_child(tmp_path):
+    """The replica may first run after the middle process is gone (a loaded machine): it must not wait for a
+    parent change it already went through (it hung there once, 1 drill in 6 beside two busy processes)."""
+    script = tmp_path / "replica.py"
+    script.write_text("import os, sys\nopen(sys.argv[0] + '.' + sys.argv[1], 'w').write(str(os.getppid()))\n")
+    done = subprocess.run([sys.executable, "-c", SLOW_START, str(script)], env=ENV, capture_output=True, text=True,
+                          timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["codes"] == [0, 0, 0], done.stderr[-3000:]
+    assert [(tmp_path / f"replica.py.{i}").read_text() for i in range(3)] == [str(seen["launcher"])] * 3

@@ -8,9 +8,10 @@ milliseconds with the same modules a fresh ``python script.py`` would have impor
 
 Every replica is a child of the launcher, as with ``subprocess.Popen``: the launcher makes itself
 a child subreaper, and the server forks each replica through a short-lived middle process, so the
-replica is handed to the launcher when the middle one exits. The launcher then waits for it with
-``waitpid`` and reads its exit code as it would a ``Popen``'s; orphans of a replica's own children
-come to the launcher too, and it reaps them.
+replica is handed to the launcher when the middle one exits; the replica starts only once the
+server has reaped the middle. The launcher then waits for it with ``waitpid`` and reads its exit
+code as it would a ``Popen``'s; orphans of a replica's own children come to the launcher too, and
+it reaps them.
 """
 from __future__ import annotations
 
@@ -20,7 +21,6 @@ import os
 import runpy
 import signal
 import sys
-import time
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "gradsync")  # torch.optim imports torch._dynamo
 _PR_SET_CHILD_SUBREAPER = 36
@@ -114,23 +114,29 @@ def _serve(requests: int, replies: int) -> dict:
                     os._exit(0)  # the launcher closed the pipe: it is done or gone
                 pending += chunk
             line, pending = pending.split(b"\n", 1)
-            handoff_r, handoff_w = os.pipe()
+            handoff_r, handoff_w = os.pipe()  # the middle tells the server the replica's pid
+            go_r, go_w = os.pipe()  # the server tells the replica it is the launcher's child now
             middle = os.fork()
             if middle == 0:
                 replica = os.fork()
                 if replica == 0:
-                    for fd in (handoff_r, handoff_w, requests, replies):
+                    for fd in (handoff_r, handoff_w, go_w, requests, replies):
                         os.close(fd)
-                    middle = os.getppid()
-                    while os.getppid() == middle:  # start as the launcher's child, as Popen would
-                        time.sleep(0.001)
+                    os.read(go_r, 1)  # a byte, or EOF if the server is gone: start as Popen's child would
+                    os.close(go_r)
                     return json.loads(line)
                 os.write(handoff_w, f"{replica}\n".encode())
                 os._exit(0)  # the replica is handed to the launcher, the subreaper
-            os.close(handoff_w)
+            for fd in (handoff_w, go_r):
+                os.close(fd)
             pid = os.read(handoff_r, 64) or b"-1\n"
             os.close(handoff_r)
             os.waitpid(middle, 0)  # reaped: the replica is the launcher's child before the launcher hears of it
+            try:
+                os.write(go_w, b"1")
+            except OSError:  # no replica reads it: it was not forked, or was killed already
+                pass
+            os.close(go_w)
             os.write(replies, pid)
     except BaseException:  # the server and the middle never return into the launcher's code
         os._exit(1)
