@@ -53,6 +53,7 @@ class ForkServer:
     def __init__(self) -> None:
         if ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+        self.replicas: set[int] = set()  # running replicas' pids; other children are reaped and forgotten
         self.exited: dict[int, int] = {}
         requests, self._requests = os.pipe()
         self._replies, replies = os.pipe()
@@ -74,6 +75,7 @@ class ForkServer:
             raise RuntimeError(f"gradsync run: the fork server is gone ({exc})") from exc
         if not line or int(line) < 0:
             raise RuntimeError("gradsync run: the fork server could not start a replica (it exited or was killed)")
+        self.replicas.add(int(line))
         return Forked(self, int(line))
 
     def reap(self, block: bool = False) -> dict[int, int]:
@@ -86,7 +88,9 @@ class ForkServer:
                 break
             if pid == 0:
                 break
-            self.exited[pid] = os.waitstatus_to_exitcode(status)
+            if pid in self.replicas:  # not an orphan of a replica's own children: their pids may come back
+                self.replicas.discard(pid)
+                self.exited[pid] = os.waitstatus_to_exitcode(status)
             flags = os.WNOHANG  # one blocking wait at most
         return self.exited
 
