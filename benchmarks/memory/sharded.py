@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     quick = args.quick
     if quick:  # the ranks are forked after this, so they see the small sizes
         WIDTH, DEPTH, WARMUP, WINDOWS = 64, 2, 0, 1
+        # and torch._dynamo, which torch.optim imports when first built (~3 CPU-s): once here, not in every rank
+        import torch._dynamo  # noqa: F401, PLC0415
     rows, table, load = [], [], LoadWatch()
     for world_size in (2, 4):
         per_rank = run_ranks(bench, world_size, timeout=900, pg_timeout=300)

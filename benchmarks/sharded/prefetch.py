@@ -104,6 +104,9 @@ def main(argv=None) -> dict:
     models = QUICK if args.quick else MODELS
     if args.quick:
         args.reps, args.warmup, args.runs, args.block = 1, 0, 1, 2
+        # torch's DDP and optimizers import torch._dynamo when first built (~3 CPU-s): once here before the
+        # ranks are forked, not in each
+        import torch._dynamo  # noqa: F401, PLC0415
     rows, load = [], LoadWatch()
     for run in range(args.runs):
         for spec in models:

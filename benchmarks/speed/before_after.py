@@ -282,6 +282,9 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.quick:
         args.reps, args.warmup, args.tiny_reps_factor = 1, 1, 1
+        # torch's DDP and optimizers import torch._dynamo when first built (~3 CPU-s): once here, not in each
+        # forked rank of each row (a smoke test's whole cost otherwise); measured runs leave the ranks as they were
+        import torch._dynamo  # noqa: F401, PLC0415
     args.runs = args.runs or (1 if args.quick else 2)
     PACKAGES["before"], root = export_base(args.base)
     try:

@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
     models = MODELS
     if args.quick:
         args.reps, args.warmup, models = 1, 1, QUICK
+        # torch's DDP and optimizers import torch._dynamo when first built (~3 CPU-s): once here before the
+        # ranks are forked, not in each of the 7 (a smoke test's whole cost otherwise)
+        import torch._dynamo  # noqa: F401, PLC0415
     rows, load = [], LoadWatch()
     for spec in models:
         for world in args.worlds:
