@@ -24,9 +24,9 @@ del _warm
 # The longest files first. `make test` runs two workers with --dist loadfile, which hands out whole files
 # in collection order as workers free up; a long file collected last (tests/tools sorts last) kept one
 # worker busy for minutes after the other had finished. Longest first leaves only short files for the end.
-LONGEST_FIRST = ("tools/test_benchmark_scripts.py", "elastic/test_elastic.py", "ddp/test_compile.py",
-                 "compat/test_torch_ddp_tests.py", "tools/test_run.py", "accumulate/test_noise_scale.py",
-                 "compat/test_clean_exit.py", "compat/test_lightning_strategy.py", "tools/test_wheel.py")
+LONGEST_FIRST = ("ddp/test_compile.py", "elastic/test_elastic.py", "tools/test_benchmark_scripts.py",
+                 "tools/test_run.py", "compat/test_torch_ddp_tests.py", "compat/test_clean_exit.py",
+                 "accumulate/test_noise_scale.py", "compat/test_lightning_strategy.py", "tools/test_wheel.py")
 
 
 def pytest_collection_modifyitems(items):
