@@ -341,3 +341,30 @@ def test_a_new_replica_id_grows_the_job(tmp_path):
     want = reference(first["events"], 3, windows=first["windows"], initial=2)
     for got, ref in zip(first["params"], want):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_a_joiner_admitted_right_after_a_loss_takes_the_same_lost_samples(monkeypatch):
+    """A replica that rejoins at the first boundary after the one it died in gets the members' sampler state at
+    that boundary: the losses must already be in it, since the joiner never saw the window they were dealt in
+    (it recorded the loss with no samples, and the survivors disagreed with it, once restarts became fast)."""
+    from types import SimpleNamespace
+
+    from gradsync import process
+
+    m = SimpleNamespace(members=[0, 1, 2], replica_id=0, events=[], registered={})
+    monkeypatch.setattr(process.state, "replica", m)
+    acc = SimpleNamespace(windows=0, at_window_start=lambda: None, plan_window=lambda *a: None)
+    member = ElasticSampler(240, micro_batch=4, seed=3, global_batch=24)
+    micro_batches = member.iterate(acc)
+    for w in range(4):  # 6 micro-batches a window, 2 of them replica 0's
+        acc.windows = w
+        next(micro_batches), next(micro_batches)
+    m.events.append(SimpleNamespace(generation=1, window=3, left=[2], joined=[]))  # replica 2 died in window 3
+    m.members = [0, 1]
+    joiner = ElasticSampler(240, micro_batch=4, seed=3, global_batch=24)
+    acc.at_window_start = lambda: joiner.load_state_dict(member.state_dict())  # admitted before window 4
+    acc.windows = 4
+    next(micro_batches)
+    joiner._note_losses(m)  # as its own iterate() does first
+    assert member.lost[0][:2] == (3, 2) and len(member.lost[0][2]) == 8  # its two micro-batches of window 3
+    assert joiner.lost == member.lost

@@ -66,9 +66,11 @@ class ElasticSampler:
         if m is not None:
             m.registered.setdefault("gradsync.ElasticSampler", self)  # a joiner takes the members' position
         while True:
+            # the last window's losses first: a joiner admitted next takes this state, and it never saw that deal
+            self._note_losses(m)
             acc.at_window_start()  # joins and admissions happen here, before the window is dealt
             members, me = _membership()
-            self._note_losses(m)
+            self._note_losses(m)  # a member lost while admitting
             dealt = self._deal_next(members)
             if dealt is None:
                 return
