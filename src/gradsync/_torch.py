@@ -89,6 +89,11 @@ def active_ddp_module(module: Any, first_bucket_bytes: int) -> Iterator[None]:
         TORCH_DDP._active_ddp_module, dist._DEFAULT_FIRST_BUCKET_BYTES = old, old_first
 
 
+# torch.optim's first optimizer imports Dynamo (its methods are wrapped by torch._disable_dynamo): a process that
+# forks training processes imports it once instead of every child (``gradsync run``'s fork server)
+OPTIMIZER_IMPORTS = ("torch._dynamo",)
+
+
 def dynamo_skip_dirs() -> list[str] | None:
     """Dynamo's list of skipped source directories, or None before ``torch._dynamo`` was imported.
 
@@ -242,7 +247,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
 
 __all__ = ["BatchNormBase", "Future", "caller_frame", "module_slots", "module_slot_dicts", "slot_ids", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
            "device_index",
-           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_copy_", "foreach_div_", "foreach_mul_",
+           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
            "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
            "storage_base", "torch_function_disabled", "torch_function_stack", "version"]

@@ -22,7 +22,9 @@ import runpy
 import signal
 import sys
 
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "gradsync")  # torch.optim imports torch._dynamo
+from ..._torch import OPTIMIZER_IMPORTS
+
+PRELOAD = ("torch", "torch.distributed", *OPTIMIZER_IMPORTS, "gradsync")
 _PR_SET_CHILD_SUBREAPER = 36
 
 
