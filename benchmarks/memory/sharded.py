@@ -36,7 +36,7 @@ from torch import nn  # noqa: E402
 import gradsync  # noqa: E402
 from gradsync.tools.bench.harness import (RESULTS, LoadWatch, machine_info, record_stem, reset_peak_rss,  # noqa: E402
                                         status_kib, write_record)
-from gradsync.tools.launch import run_ranks  # noqa: E402
+from gradsync.tools.launch import import_before_forking, run_ranks  # noqa: E402
 
 WIDTH, DEPTH = 2048, 12  # 12 x Linear(2048, 2048): 50.4M parameters
 ACC, WARMUP, WINDOWS, ROWS = 4, 1, 3, 8
@@ -123,8 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     quick = args.quick
     if quick:  # the ranks are forked after this, so they see the small sizes
         WIDTH, DEPTH, WARMUP, WINDOWS = 64, 2, 0, 1
-        # and torch._dynamo, which torch.optim imports when first built (~3 CPU-s): once here, not in every rank
-        import torch._dynamo  # noqa: F401, PLC0415
+        import_before_forking()  # --quick only: measured runs leave the ranks as they were
     rows, table, load = [], [], LoadWatch()
     for world_size in (2, 4):
         per_rank = run_ranks(bench, world_size, timeout=900, pg_timeout=300)

@@ -23,7 +23,7 @@ import gradsync
 from gradsync.tools.bench.harness import (LoadWatch, machine_info, record_stem, reduce_max, round_order, run_window,
                                         timing_parser, write_record)
 from gradsync.tools.bench.sharding import LR, MODELS, QUICK, Engine, TorchDDP
-from gradsync.tools.launch import run_ranks
+from gradsync.tools.launch import import_before_forking, run_ranks
 
 
 class Sharded(Engine):
@@ -104,9 +104,7 @@ def main(argv=None) -> dict:
     models = QUICK if args.quick else MODELS
     if args.quick:
         args.reps, args.warmup, args.runs, args.block = 1, 0, 1, 2
-        # torch's DDP and optimizers import torch._dynamo when first built (~3 CPU-s): once here before the
-        # ranks are forked, not in each
-        import torch._dynamo  # noqa: F401, PLC0415
+        import_before_forking()  # --quick only: measured runs leave the ranks as they were
     rows, load = [], LoadWatch()
     for run in range(args.runs):
         for spec in models:

@@ -43,7 +43,7 @@ from gradsync.tools.bench.harness import RESULTS, machine_info, quartiles, recor
 from gradsync.tools.bench.measure import alternate
 from gradsync.tools.bench.models import Engine, ModelSpec, TorchEngine
 from gradsync.tools.bench.run import full_plan, quick_plan
-from gradsync.tools.launch import run_ranks
+from gradsync.tools.launch import import_before_forking, run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES: dict[str, object] = {"after": gradsync}  # "before": gradsync_base, once exported
@@ -282,9 +282,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if args.quick:
         args.reps, args.warmup, args.tiny_reps_factor = 1, 1, 1
-        # torch's DDP and optimizers import torch._dynamo when first built (~3 CPU-s): once here, not in each
-        # forked rank of each row (a smoke test's whole cost otherwise); measured runs leave the ranks as they were
-        import torch._dynamo  # noqa: F401, PLC0415
+        import_before_forking()  # --quick only: measured runs leave the ranks as they were
     args.runs = args.runs or (1 if args.quick else 2)
     PACKAGES["before"], root = export_base(args.base)
     try:

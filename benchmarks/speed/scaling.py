@@ -19,7 +19,7 @@ import gradsync
 from gradsync.tools.bench.harness import (LoadWatch, machine_info, paired, record_stem, run_window, time_variants,
                                         timing_parser, write_record)
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine, count_params
-from gradsync.tools.launch import run_ranks
+from gradsync.tools.launch import import_before_forking, run_ranks
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
           ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64)]
@@ -69,9 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     models = MODELS
     if args.quick:
         args.reps, args.warmup, models = 1, 1, QUICK
-        # torch's DDP and optimizers import torch._dynamo when first built (~3 CPU-s): once here before the
-        # ranks are forked, not in each of the 7 (a smoke test's whole cost otherwise)
-        import torch._dynamo  # noqa: F401, PLC0415
+        import_before_forking()  # --quick only: measured runs leave the ranks as they were
     rows, load = [], LoadWatch()
     for spec in models:
         for world in args.worlds:

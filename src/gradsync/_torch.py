@@ -150,14 +150,9 @@ def torch_function_disabled() -> bool:
     return torch._C._is_torch_function_all_disabled()
 
 
-def module_slots(module: torch.nn.Module) -> tuple[Any, Any, Any]:
-    """A module's own parameters, buffers and children (its ``_parameters``, ``_buffers``, ``_modules``
-    values): one walk of the tree finds both tensors, where ``parameters()`` and ``buffers()`` walk it twice."""
-    return module._parameters.values(), module._buffers.values(), module._modules.values()
-
-
 def module_slot_dicts(module: torch.nn.Module) -> tuple[dict, dict, dict]:
-    """A module's own ``_parameters``, ``_buffers`` and ``_modules`` dicts."""
+    """A module's own ``_parameters``, ``_buffers`` and ``_modules`` dicts: one walk of the tree finds both
+    tensors, where ``parameters()`` and ``buffers()`` walk it twice, and their values tell a changed tree."""
     return module._parameters, module._buffers, module._modules
 
 
@@ -245,7 +240,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "caller_frame", "module_slots", "module_slot_dicts", "slot_ids", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
+__all__ = ["BatchNormBase", "Future", "caller_frame", "module_slot_dicts", "slot_ids", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
            "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",

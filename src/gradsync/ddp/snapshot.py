@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._torch import caller_frame, functional_call_code, module_slot_dicts, module_slots, slot_ids
+from .._torch import caller_frame, functional_call_code, module_slot_dicts, slot_ids
 
 
 @dataclass
@@ -61,8 +61,9 @@ def module_tensors(module: nn.Module, snap: Snapshot | None = None) -> tuple[lis
         if type(m).named_modules is not named_modules:
             return list(module.parameters()), list(module.buffers())
         seen_modules.add(m)
-        own_params, own_buffers, children = module_slots(m)
-        dicts.extend(module_slot_dicts(m))
+        own = module_slot_dicts(m)
+        dicts.extend(own)
+        own_params, own_buffers, children = (d.values() for d in own)
         for p in own_params:
             if p is not None and id(p) not in seen_params:
                 seen_params.add(id(p))

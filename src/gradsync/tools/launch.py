@@ -15,9 +15,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .._torch import OPTIMIZER_IMPORTS
+
 
 class RankError(RuntimeError):
     """A rank raised, died, or ran past the time bound."""
+
+
+def import_before_forking() -> None:
+    """Import what a rank's first torch optimizer imports (seconds of CPU) here, once, so the ranks forked
+    next do not each import it again."""
+    for name in OPTIMIZER_IMPORTS:
+        __import__(name)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,

@@ -81,7 +81,7 @@ class ForkServer:
         return Forked(self, int(line))
 
     def reap(self, block: bool = False) -> dict[int, int]:
-        """Collect the exit codes of every child that ended (negative: the signal), keyed by pid."""
+        """Reap every child that ended; keep the replicas' exit codes (negative: the signal), keyed by pid."""
         flags = 0 if block else os.WNOHANG
         while True:
             try:
