@@ -5,6 +5,7 @@ import inspect
 import sys
 import time
 
+import pytest
 import torch
 import torch._dynamo
 import torch.distributed as dist
@@ -20,6 +21,16 @@ TorchDDP = nn.parallel.DistributedDataParallel
 # without compiling C++ (tens of seconds per graph on this CPU); inductor runs in one case.
 BACKEND = "aot_eager"
 SMALL = dict(bucket_cap_mb=0.001)  # several buckets, and a graph split per bucket under compile
+
+
+@pytest.fixture(autouse=True, scope="module")
+def warm_compile_stack():
+    """Forked ranks inherit what this process has loaded: the first compile of each backend (hundreds of
+    modules, inductor's probe of the CPU's vector ISA) is paid here once, not again by every rank."""
+    x = torch.ones(2, requires_grad=True)
+    for backend in (BACKEND, "inductor"):
+        torch.compile(lambda t: torch.tanh(t) * 2, backend=backend)(x).sum().backward()
+    torch._dynamo.reset()
 
 
 class Net(nn.Module):

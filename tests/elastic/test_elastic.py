@@ -5,7 +5,6 @@ Every survivor must finish the run with parameters bit-identical to the other su
 micro-steps count up to the window whose reduction it did not commit, none after.
 """
 import time
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from elastic_train import build_model, dataset, make_optimizer, micro_batch  # noqa: E402
 
+from forked_cli import ForkedCLI, run_cli  # noqa: E402
 from gradsync.elastic import ElasticSampler  # noqa: E402
 from gradsync.elastic.data import deal  # noqa: E402
 
@@ -25,16 +25,13 @@ WINDOWS, STEPS = 4, 3
 
 def launch(tmp_path: Path, *script_args: str, replicas: int = 3, min_replicas: int = 2, max_restarts: int = 0,
            timeout: float = 150.0, windows: int = WINDOWS) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "gradsync.tools.cli", "run", "--replicas", str(replicas),
-           "--min-replicas", str(min_replicas), "--max-restarts", str(max_restarts), str(SCRIPT),
-           "--out", str(tmp_path), "--windows", str(windows), "--steps", str(STEPS), *script_args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[2] / "src"),
-                                                         os.environ.get("PYTHONPATH", "")])}
+    argv = ["run", "--replicas", str(replicas), "--min-replicas", str(min_replicas), "--max-restarts",
+            str(max_restarts), str(SCRIPT), "--out", str(tmp_path), "--windows", str(windows), "--steps", str(STEPS),
+            *script_args]
     try:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:  # the launcher and its replicas are killed; say what they printed
-        err = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else exc.stderr or ""
-        pytest.fail(f"gradsync run ran past {timeout:g}s; its stderr ends:\n{err[-6000:]}")
+        return run_cli(argv, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:  # the launcher is killed; say what it and its replicas printed
+        pytest.fail(f"gradsync run ran past {timeout:g}s; its stderr ends:\n{exc.stderr[-6000:]}")
 
 
 def reference(events: list[dict], replicas: int, *, items: bool = False, steps: int = STEPS,
@@ -178,9 +175,7 @@ print("members", gradsync.elastic.members(), "events", gradsync.elastic.events()
 def test_what_elastic_membership_cannot_recover_is_refused(tmp_path):
     script = tmp_path / "refusals.py"
     script.write_text(REFUSALS)
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
-    proc = subprocess.run([sys.executable, "-m", "gradsync.tools.cli", "run", str(script)], capture_output=True,
-                          text=True, timeout=120, env=env)
+    proc = run_cli(["run", str(script)], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     refused = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
     assert len(refused) == 4, proc.stdout
@@ -208,15 +203,13 @@ def test_a_whole_machine_dies(tmp_path):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cmd = [sys.executable, "-m", "gradsync.tools.cli", "run", "--machines", "3", "--replicas", "1",
-           "--min-replicas", "2", "--coordinator", f"127.0.0.1:{port}", str(SCRIPT), "--out", str(tmp_path),
-           "--windows", str(WINDOWS), "--steps", str(STEPS), "--victim", "2", "--window", "1", "--point",
-           "during_reductions", "--kill-launcher"]
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
+    argv = ["run", "--machines", "3", "--replicas", "1", "--min-replicas", "2", "--coordinator",
+            f"127.0.0.1:{port}", str(SCRIPT), "--out", str(tmp_path), "--windows", str(WINDOWS), "--steps",
+            str(STEPS), "--victim", "2", "--window", "1", "--point", "during_reductions", "--kill-launcher"]
     procs = []
     try:
         for m in range(3):  # one at a time, so launcher 0 hosts the store and launcher 2 holds replica 2
-            procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env))
+            procs.append(ForkedCLI(argv))
             store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
             while store.add("gradsync/ids", 0) < m + 1:
                 assert procs[-1].poll() is None, procs[-1].communicate()
@@ -228,7 +221,7 @@ def test_a_whole_machine_dies(tmp_path):
             p.kill()
     codes = [p.returncode for p in procs]
     assert codes[:2] == [0, 0] and codes[2] == -9, (codes, outputs[0][1][-3000:])
-    proc = subprocess.CompletedProcess(cmd, 0, "", outputs[0][1] + outputs[1][1])
+    proc = subprocess.CompletedProcess(argv, 0, "", outputs[0][1] + outputs[1][1])
     results = check_run(tmp_path, proc, victim=2, window=1)
     # the heartbeat stood still 5 s; its last beat predates the kill by up to 0.5 s, and the failure is
     # seen here a little after the kill: a re-form driven by the heartbeat takes 4-5 s from that failure
@@ -317,12 +310,10 @@ def test_a_new_replica_id_grows_the_job(tmp_path):
         port = sock.getsockname()[1]
     windows = 40
 
-    def launcher(replicas: int) -> subprocess.Popen:
-        cmd = [sys.executable, "-m", "gradsync.tools.cli", "run", "--replicas", str(replicas), "--coordinator",
-               f"127.0.0.1:{port}", str(SCRIPT), "--out", str(tmp_path), "--windows", str(windows), "--steps",
-               str(STEPS), "--sleep", "0.1", "--until-full", "3"]
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")}
-        return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    def launcher(replicas: int) -> ForkedCLI:
+        return ForkedCLI(["run", "--replicas", str(replicas), "--coordinator", f"127.0.0.1:{port}", str(SCRIPT),
+                          "--out", str(tmp_path), "--windows", str(windows), "--steps", str(STEPS), "--sleep", "0.1",
+                          "--until-full", "3"])
 
     procs = [launcher(2)]
     try:

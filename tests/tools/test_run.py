@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from forked_cli import ForkedCLI
 from gradsync.tools import cli
 from gradsync.tools.elastic import run
 
@@ -28,15 +29,19 @@ store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(second
 """
 
 
-def launch(tmp_path, options, body, script_args=()):
-    """Start the launcher on a replica script made of ``body``'s parts (each dedented)."""
+def launch(tmp_path, options, body, script_args=(), *, new_interpreter=False):
+    """Start the launcher on a replica script made of ``body``'s parts (each dedented): forked from this
+    process (no torch import to pay), or as a user starts it, where a test is about that start."""
     parts = [body] if isinstance(body, str) else body
     script = tmp_path / "replica.py"
     script.write_text("import os, signal, sys, time\n"
                       "rid, restart = int(os.environ['GRADSYNC_REPLICA_ID']), int(os.environ['GRADSYNC_RESTART'])\n"
                       f"out = {str(tmp_path)!r}\n" + "".join(textwrap.dedent(p) for p in parts))
-    return subprocess.Popen([sys.executable, "-m", "gradsync.tools.cli", "run", *options, str(script), *script_args],
-                            env=ENV, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    argv = ["run", *options, str(script), *script_args]
+    if not new_interpreter:
+        return ForkedCLI(argv, env=ENV, cwd=tmp_path)
+    return subprocess.Popen([sys.executable, "-m", "gradsync.tools.cli", *argv], env=ENV, cwd=tmp_path,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finish(proc):
@@ -60,7 +65,8 @@ def test_replicas_get_ids_environment_and_arguments(tmp_path):
                     os.environ["GRADSYNC_MIN_REPLICAS"], os.environ["GRADSYNC_MACHINE"], sys.argv[1:],
                     sys.executable)), file=f)
     """
-    proc = launch(tmp_path, ["--replicas", "3", "--min-replicas", "2"], body, ["--lr", "1e-3", "x"])
+    proc = launch(tmp_path, ["--replicas", "3", "--min-replicas", "2"], body, ["--lr", "1e-3", "x"],
+                  new_interpreter=True)
     rc, _, err = finish(proc)
     assert rc == 0, err
     seen = [eval((tmp_path / f"env-{i}").read_text()) for i in range(3)]
@@ -204,7 +210,8 @@ def test_a_replica_starts_as_a_new_interpreter_would(tmp_path, options):
                     os.environ["GRADSYNC_REPLICAS"], random.random(), int(numpy.random.randint(2**31)),
                     torch.initial_seed(), signal.getsignal(signal.SIGINT) is signal.default_int_handler)), file=f)
     """
-    proc = launch(tmp_path, ["--replicas", "3", "--min-replicas", "1", *options], body, ["--flag"])
+    proc = launch(tmp_path, ["--replicas", "3", "--min-replicas", "1", *options], body, ["--flag"],
+                  new_interpreter=True)
     rc, _, err = finish(proc)
     assert rc == 1, err
     assert "ValueError: replica one fails" in err and "replica 1 (restart 0) exited with code 1" in err
@@ -232,6 +239,7 @@ def fork():  # the third generation (launcher > server > middle > replica) runs 
     return pid
 
 os.fork = fork
+forkserver.PRELOAD = ()  # the replica imports nothing; this test is about its parent
 server = forkserver.ForkServer()
 script = sys.argv[1]
 procs = [server.spawn([script, str(i)], dict(os.environ)) for i in range(3)]
