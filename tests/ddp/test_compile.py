@@ -26,11 +26,16 @@ SMALL = dict(bucket_cap_mb=0.001)  # several buckets, and a graph split per buck
 @pytest.fixture(autouse=True, scope="module")
 def warm_compile_stack():
     """Forked ranks inherit what this process has loaded: the first compile of each backend (hundreds of
-    modules, inductor's probe of the CPU's vector ISA) is paid here once, not again by every rank."""
+    modules, inductor's probe of the CPU's vector ISA) is paid here once, not again by every rank. Inductor
+    compiles in the calling process (compile_threads=1): a rank forked after its worker pool started would
+    wait on that pool forever, and a pool per rank starts new interpreters that import torch again."""
+    import torch._inductor.config
     x = torch.ones(2, requires_grad=True)
-    for backend in (BACKEND, "inductor"):
-        torch.compile(lambda t: torch.tanh(t) * 2, backend=backend)(x).sum().backward()
-    torch._dynamo.reset()
+    with torch._inductor.config.patch(compile_threads=1):
+        for backend in (BACKEND, "inductor"):
+            torch.compile(lambda t: torch.tanh(t) * 2, backend=backend)(x).sum().backward()
+        torch._dynamo.reset()
+        yield
 
 
 class Net(nn.Module):
