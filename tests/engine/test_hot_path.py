@@ -3,6 +3,7 @@ one copy into the bucket (or in place when ``.grad`` already is the bucket), nev
 memory of their own, and without views the values stay bit-identical to torch's DDP. Slots under
 ``store.SMALL_SLOT`` elements are copied in and divided with their bucket in one call (issue 29:
 per-parameter op overhead); their second touch is of memory just written, still in cache."""
+import contextlib
 from collections import Counter
 
 import pytest
@@ -13,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsync
 from gradsync.tools.launch import run_ranks
-from helpers import batches, grads, mlp, shard
+from helpers import Branches, batches, grads, mlp, reference_unused, shard
 
 CAPS = dict(bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
 
@@ -133,3 +134,28 @@ def test_without_views_one_divided_copy_in_and_one_copy_back():
     ops.pop("add_.Tensor", None)
     # copied in one call per bucket (the per-tensor count is the dispatch mode's), back in one call
     assert ops == {"div_.Tensor": buckets, "_foreach_copy_.default": 2 * n}, ops
+
+
+# ---------------------------------------------------------------- a local backward's new gradients, per bucket
+PATTERN = [(True, False), (False, True), (False, False), (True, True)]  # micro-step k uses b on (rank 0, rank 1)
+
+
+def unused_in_local_backwards(rank, world_size, caps):
+    model = gradsync.DistributedDataParallel(Branches(), gradient_as_bucket_view=True, find_unused_parameters=True,
+                                             **caps)
+    views = model.reducer.store.views
+    for k, (x, y) in enumerate(batches(len(PATTERN), world_size)):
+        with model.no_sync() if k < len(PATTERN) - 1 else contextlib.nullcontext():
+            F.mse_loss(model(shard(x, rank, world_size), use_b=PATTERN[k][rank]), shard(y, rank, world_size)).backward()
+        # a bucket whose member this backward did not produce completes at its end: every .grad is its slot
+        assert all(p.grad is None or p.grad.data_ptr() == v.data_ptr() for p, v in zip(model.parameters(), views)), k
+    return {n.removeprefix("module."): p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("caps", [{}, CAPS], ids=["one-bucket", "a-bucket-each"])
+def test_a_local_backward_that_leaves_a_bucket_incomplete_still_takes_its_gradients_in(caps):
+    want = reference_unused(PATTERN, 2)
+    for got in run_ranks(unused_in_local_backwards, 2, caps):
+        assert set(got) == set(want)
+        for name, grad in got.items():
+            torch.testing.assert_close(grad, want[name], atol=1e-6, rtol=1e-5)

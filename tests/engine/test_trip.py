@@ -5,6 +5,7 @@ the Python calls into gradsync per extra parameter, at most two (issue 37: work 
 ``DistributedDataParallel(net)`` on 2 gloo ranks, after the first synced backward (which re-plans the
 buckets once from the observed order, ``engine/layout.py``). docs/architecture.md lists the files.
 """
+import contextlib
 import os
 import re
 import sys
@@ -21,9 +22,11 @@ MAX_FILES = 6
 DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
-def trace_backwards(rank, world_size, steps, layers=None):
+def trace_backwards(rank, world_size, steps, layers=None, local_views=False):
+    """``local_views``: each backward is a window's first ``no_sync`` one with gradient views, after
+    ``zero_grad(set_to_none=True)``, so autograd hands every parameter a new ``.grad`` to take into its slot."""
     net = mlp() if layers is None else torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
-    model = gradsync.DistributedDataParallel(net)
+    model = gradsync.DistributedDataParallel(net, gradient_as_bucket_view=local_views)
     package = os.path.dirname(gradsync.__file__)
     trips = []
     for x, y in batches(steps, world_size):
@@ -38,11 +41,16 @@ def trace_backwards(rank, world_size, steps, layers=None):
                 name = os.path.relpath(frame.f_code.co_filename, package)
                 if name not in files:
                     files.append(name)
+        if local_views:
+            model.zero_grad(set_to_none=True)
         sys.setprofile(profile)
         try:
-            loss.backward()
+            with model.no_sync() if local_views else contextlib.nullcontext():
+                loss.backward()
         finally:
             sys.setprofile(None)
+        if local_views:  # every .grad is its bucket slot again
+            assert all(p.grad.data_ptr() == v.data_ptr() for p, v in zip(model.parameters(), model.reducer.store.views))
         trips.append((files, calls[0]))
     return trips
 
@@ -63,6 +71,15 @@ def test_python_calls_per_extra_parameter_are_at_most_two():
     # 16 and 128 parameters (8 and 64 small layers, one or two buckets): the slope is what each
     # gradient costs in Python; torch's C++ reducer makes no call, a call per bucket is amortized
     few, many = (run_ranks(trace_backwards, 2, 3, layers)[0][-1][1] for layers in (8, 64))
+    per_parameter = (many - few) / (128 - 16)
+    print(f"calls: {few} for 16 parameters, {many} for 128: {per_parameter:.2f} per extra parameter")
+    assert per_parameter <= 2.0, (few, many, per_parameter)
+
+
+def test_a_local_backward_takes_new_gradients_into_their_slots_per_bucket():
+    # with views, a window's first no_sync backward copies each bucket's new gradients in at once (one
+    # copy per bucket); a copy per gradient was ~6 calls per parameter, ~30% of a small no_sync backward
+    few, many = (run_ranks(trace_backwards, 2, 3, layers, True)[0][-1][1] for layers in (8, 64))
     per_parameter = (many - few) / (128 - 16)
     print(f"calls: {few} for 16 parameters, {many} for 128: {per_parameter:.2f} per extra parameter")
     assert per_parameter <= 2.0, (few, many, per_parameter)

@@ -114,7 +114,7 @@ class Reducer:
         if param.grad is not None:  # autograd may leave it undefined: that is not a use (torch agrees)
             self.window_used[i] = True
         if not it.syncing:
-            self.store.keep_local(i)
+            self.store.local_ready(i) if it.fast and it.adopt else self.store.keep_local(i)
             return
         if it.order is not None:  # the first synced backward's order (layout.py)
             it.order.append(i)
@@ -221,6 +221,8 @@ class Reducer:
         try:
             if self.it.syncing:  # with a protocol: reduced until every member holds it
                 self.commit(*(self.reduce(failed) if self.attached is None else self.attached.reduce_until_committed(failed)))
+            elif self.it.adopt:  # a local backward with views: buckets with a member it did not produce
+                self.store.adopt_views()
         except Exception as exc:
             self.last_error = messages.logged(exc)  # _get_ddp_logging_data()["error"], as torch's logger
             raise
@@ -311,18 +313,16 @@ def _hook(reducer: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
                 me.on_grad_ready(i, param)
             return
         # register_grad_ready, inline: on many small parameters a call each was most of the hook
-        grad = param.grad
-        if grad is not None:
+        if param.grad is not None:
             me.window_used[i] = True
-        if not it.syncing:  # keep_local, only where a view was replaced by autograd
-            if it.adopt and grad is not None and grad.data_ptr() != me.store.view_ptrs[i]:
-                me.store.keep_local(i)
-        else:
+        if it.syncing:
             it.ready[i] = True
-            bucket = me.store.buckets[me.store.bucket_of[i]]
-            bucket.pending -= 1
-            if bucket.pending == 0:
-                me.bucket_ready(bucket)
+        elif not it.adopt:  # a local backward without views needs nothing per gradient
+            return
+        bucket = me.store.buckets[me.store.bucket_of[i]]
+        bucket.pending -= 1  # complete: a synced backward reduces it, a local one takes its .grad into its views
+        if bucket.pending == 0:
+            me.bucket_ready(bucket) if it.syncing else me.store.adopt_views([bucket])
     return hook
 
 

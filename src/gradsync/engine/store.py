@@ -1,49 +1,25 @@
 """The bucket store: flat buffers, per-parameter views, copy-in, write-back, re-planning from an order.
 
 ``BucketStore`` owns gradient memory and nothing else: it issues no collective and keeps no
-iteration state. The reducer calls ``copy_in(i)`` when a gradient is ready in a synced backward,
-``keep_local(i)`` in a local one, and ``write_back(bucket, result, counts)`` once a bucket's
+iteration state. The reducer calls ``copy_in(i)`` when a gradient is ready in a synced backward
+(``copy_in_bucket`` once its bucket is complete), ``keep_local(i)`` in a local one (``local_ready(i)``
+per bucket with views), and ``write_back(bucket, result, counts)`` once a bucket's
 average is known; ``replan(order, caps)`` lays the buckets out again from an order every rank
 agreed on. ``ShardedBucketStore`` (``sharded/store.py``) is the same interface for
 ZeRO-2-style shards.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from .bucket import SMALL_SLOT, Bucket
 from .checks import check_grad, is_view_of, warn_create_graph
 from .config import Caps
 from .layout import plan_buckets
 from .main_grad import MainGrads
 from .._torch import foreach_copy_, foreach_div_
-
-
-@dataclass
-class Bucket:
-    index: int
-    members: list[int]  # parameter indices
-    buffer: torch.Tensor | None
-    views: list[torch.Tensor]  # per-member views of ``buffer``, shaped like the parameters
-    pending: int = 0  # members not ready yet in this synced backward
-    handle: Any = None  # dist.Work (default path) or torch.futures.Future (hook path)
-    # ``copy_in`` with ``divide``: members copied in since the round began (the reducer zeroes it as a
-    # synced backward begins), how many of them were divided on the way, the slots left to divide
-    copied: int = 0
-    divided: int = 0
-    undivided: list[torch.Tensor] = field(default_factory=list)
-    times: dict[str, float] = field(default_factory=dict)  # the comm trace's timestamps
-    large: frozenset[int] = frozenset()  # positions of members of SMALL_SLOT elements or more
-
-
-# A gradient of fewer elements is copied into its slot and divided with the bucket's other small slots
-# in one call once the bucket is complete (the slot is still in cache then); a larger one is divided
-# on its way in, one pass over its memory. A Python-issued division costs several microseconds of
-# overhead however small the tensor: on models of many small parameters that was most of the hook.
-SMALL_SLOT = 1 << 14
 
 
 class BucketStore:
@@ -200,28 +176,47 @@ class BucketStore:
         bucket.copied, bucket.divided, bucket.undivided = 0, 0, []
 
     def keep_local(self, i: int) -> None:
-        """Unsynced backward: keep parameter ``i``'s gradient for the next synced one."""
+        """Unsynced backward: keep parameter ``i``'s gradient for the next synced one (with views, in its slot)."""
         if self.main is not None:
             self.main.release_grad(i)
-        elif self.grad_as_view:
-            grad = self.params[i].grad
-            if grad is not None and not self._is_slot(i, grad):  # replaced by autograd: copy it in
-                self._adopt_view(i)
+            return
+        grad = self.params[i].grad
+        if self.grad_as_view and grad is not None and not self._is_slot(i, grad):  # replaced by autograd: copy in
+            check_grad(grad, self.views[i], self.names[i])
+            self.views[i].copy_(grad.detach())
+            self.params[i].grad = self.views[i]
+
+    def local_ready(self, i: int) -> None:
+        """``keep_local`` counted per bucket (the hooks' path with views): a complete bucket adopts its views."""
+        bucket = self.buckets[self.bucket_of[i]]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self.adopt_views([bucket])
+
+    def adopt_views(self, buckets: list[Bucket] | None = None) -> None:
+        """``keep_local`` for every member of ``buckets`` (default: those a local backward left incomplete): one
+        copy per bucket, not a call per small gradient."""
+        params, ptrs = self.params, self.view_ptrs
+        for bucket in [b for b in self.buckets if b.pending] if buckets is None else buckets:
+            members, views = bucket.members, bucket.views
+            fresh, grads, plain = [], [], True  # one loop, no call per member: this runs per bucket
+            for k, i in enumerate(members):
+                if (g := params[i].grad) is not None and g.data_ptr() != ptrs[i]:
+                    fresh.append(k)
+                    grads.append(g)
+                    plain = (plain and not g.requires_grad and g.layout is torch.strided and g.dtype is views[k].dtype
+                             and g.shape == views[k].shape)
+            if not plain:
+                for k in fresh:  # one at a time, through check_grad's errors
+                    self.keep_local(members[k])
+            elif fresh:
+                foreach_copy_([views[k] for k in fresh], grads)
+                for k in fresh:
+                    params[members[k]].grad = views[k]
 
     def _is_slot(self, i: int, grad: torch.Tensor) -> bool:
         """``is_view_of(grad, self.views[i])``, from the view's data pointer read once at the build."""
         return grad.data_ptr() == self.view_ptrs[i]
-
-    def _adopt_view(self, i: int) -> None:
-        """Make ``.grad`` the bucket view again, keeping its value (copy if it was replaced)."""
-        p = self.params[i]
-        grad = p.grad
-        if grad is None or self._is_slot(i, grad):
-            return
-        view = self.views[i]
-        check_grad(grad, view, self.names[i])
-        view.copy_(grad.detach())
-        p.grad = view
 
     @torch.no_grad()  # a create_graph backward runs this with grad mode on: record nothing
     def write_back(self, bucket: Bucket, result: torch.Tensor | None, counts: list[int]) -> None:
@@ -297,7 +292,10 @@ class BucketStore:
             done(b.members)
 
     def begin_backward(self, syncing: bool) -> None:
-        """A backward starts (full-size buckets need nothing)."""
+        """A backward starts: a local one with views counts each bucket's members in again (local_ready)."""
+        if not syncing and self.grad_as_view:
+            for b in self.buckets:
+                b.pending = len(b.members)
 
     def end_sync(self, results: list[Any] | None, counts: list[int]) -> None:
         """The synced backward's checks passed: write every bucket's average back."""
