@@ -64,10 +64,15 @@ class ForkedCLI:
             os.kill(self.pid, sig)
 
     def kill(self) -> None:
-        """SIGKILL the launcher's session and reap it (replicas run in sessions of their own, as in a real run)."""
+        """End a launcher still running, its replicas with it (SIGTERM: it ends them; they run in sessions of
+        their own), then SIGKILL its session if it has not exited within 10 s; reap it."""
         if self.poll() is None:
-            os.killpg(self.pid, signal.SIGKILL)
-            self.wait()
+            os.kill(self.pid, signal.SIGTERM)
+            try:
+                self.wait(10)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.pid, signal.SIGKILL)
+                self.wait()
 
 
 def run_cli(argv: list[str], *, env: dict[str, str] | None = None, cwd: str | None = None,
