@@ -111,6 +111,9 @@ def run_config(rank: int, world_size: int, config: str) -> dict:
 
 def bench(rank: int, world_size: int) -> dict:
     warnings.simplefilter("ignore", FutureWarning)
+    # before the first config's start: its optimizer's first step would import torch._dynamo (~78 MiB of
+    # RSS here) and count it in that config's peak alone
+    import_before_forking()
     return {config: run_config(rank, world_size, config) for config in CONFIGS}
 
 
