@@ -30,7 +30,8 @@ class BucketStore:
     # backward needs nothing per gradient, unless a window slot or a view stands in for .grad
     copies_per_bucket = property(lambda self: self.main is None)
     keeps_local_per_grad = property(lambda self: self.main is not None)
-    adopts_views = property(lambda self: self.grad_as_view)  # a local .grad not its slot: keep_local copies it in
+    # a local .grad not its slot is copied in (local_ready, per bucket); reduce_dtype's slots take it per gradient
+    adopts_views = property(lambda self: self.grad_as_view and self.main is None)
     # the window's local gradients survive a reduction (not views of the buckets, nor their slots)
     keeps_local_grads = property(lambda self: not self.grad_as_view and self.main is None)
     sharded = False
@@ -293,7 +294,7 @@ class BucketStore:
 
     def begin_backward(self, syncing: bool) -> None:
         """A backward starts: a local one with views counts each bucket's members in again (local_ready)."""
-        if not syncing and self.grad_as_view:
+        if not syncing and self.adopts_views:
             for b in self.buckets:
                 b.pending = len(b.members)
 
