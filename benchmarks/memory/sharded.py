@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     quick = args.quick
     if quick:  # the ranks are forked after this, so they see the small sizes
         WIDTH, DEPTH, WARMUP, WINDOWS = 64, 2, 0, 1
-        import_before_forking()  # --quick only: measured runs leave the ranks as they were
+        import_before_forking()  # --quick: once here for every rank (bench imports it again, a no-op then)
     rows, table, load = [], [], LoadWatch()
     for world_size in (2, 4):
         per_rank = run_ranks(bench, world_size, timeout=900, pg_timeout=300)

@@ -25,7 +25,7 @@ from gradsync.tools.bench.harness import (LoadWatch, describe, machine_info, pai
                                         timing_parser, write_record)
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec, TorchEngine, loss_fn
 from gradsync.tools.bench.report import overlap
-from gradsync.tools.launch import run_ranks
+from gradsync.tools.launch import compile_before_forking, run_ranks
 MODELS = [ModelSpec(name="gpt-12M", kind="gpt", width=384, depth=6, batch=2, seq=64),
           ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32)]
 KW = dict(view=False, set_to_none=True, lr=1e-3)
@@ -90,16 +90,6 @@ def overlap_rank(rank, world, spec, cap, warmup, reps, backend) -> dict:
     return out
 
 
-def warm_compile(backend: str) -> None:
-    """Compile a throwaway function once before the ranks are forked, then forget it (``--quick`` only): what a
-    first compile imports (CPU-seconds, most of a smoke test's cost) is imported once, not again in every rank."""
-    def f(x):
-        return (x * 2).sin().sum()
-    x = torch.ones(4, requires_grad=True)
-    torch.compile(f, backend=backend)(x).backward()
-    torch._dynamo.reset()
-
-
 def summarize(times: dict[str, list[float]]) -> dict:
     row = paired(times, "torch+compile")
     row["eager_ratio"] = paired(times, "torch")["paired_ratio"]  # every variant against eager torch
@@ -116,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         models = [ModelSpec(name="gpt-tiny", kind="gpt", width=64, depth=1, batch=1, seq=16),
                   ModelSpec(name="mlp-tiny", kind="mlp", width=32, depth=2, batch=4)]
         overlaps = [(models[1], 25.0)]  # torch + compile fails below 1 MiB (its first-bucket assert)
-        warm_compile(args.backend)
+        compile_before_forking(args.backend)  # --quick: its first compile's imports, once, not per rank
     rows, load = [], LoadWatch()
     for spec in models:
         for accum in args.accum:

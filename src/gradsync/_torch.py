@@ -94,6 +94,19 @@ def active_ddp_module(module: Any, first_bucket_bytes: int) -> Iterator[None]:
 OPTIMIZER_IMPORTS = ("torch._dynamo",)
 
 
+def compile_throwaway(*backends: str) -> None:
+    """Compile a throwaway function once per ``torch.compile`` backend, then reset Dynamo; inductor compiles in
+    this process (``compile_threads=1``: no worker pool starts here)."""
+    import torch._dynamo
+    import torch._inductor.config
+
+    x = torch.ones(2, requires_grad=True)
+    with torch._inductor.config.patch(compile_threads=1):
+        for backend in backends:
+            torch.compile(lambda t: torch.tanh(t) * 2, backend=backend)(x).sum().backward()
+    torch._dynamo.reset()
+
+
 def dynamo_skip_dirs() -> list[str] | None:
     """Dynamo's list of skipped source directories, or None before ``torch._dynamo`` was imported.
 
@@ -240,7 +253,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "caller_frame", "module_slot_dicts", "slot_ids", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
+__all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "module_slot_dicts", "slot_ids", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
            "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.tools.launch import run_ranks
+from gradsync.tools.launch import compile_before_forking, run_ranks
 from helpers import TIMEOUT, Branches, assert_close_dicts, batches, faults, outcome, params, shard
 
 TorchDDP = nn.parallel.DistributedDataParallel
@@ -25,16 +25,11 @@ SMALL = dict(bucket_cap_mb=0.001)  # several buckets, and a graph split per buck
 
 @pytest.fixture(autouse=True, scope="module")
 def warm_compile_stack():
-    """Forked ranks inherit what this process has loaded: the first compile of each backend (hundreds of
-    modules, inductor's probe of the CPU's vector ISA) is paid here once, not again by every rank. Inductor
-    compiles in the calling process (compile_threads=1): a rank forked after its worker pool started would
-    wait on that pool forever, and a pool per rank starts new interpreters that import torch again."""
+    """Forked ranks inherit what this process has loaded: each backend's first compile is paid here once. The ranks
+    compile in their own process too (compile_threads=1): a worker pool per rank starts new interpreters."""
     import torch._inductor.config
-    x = torch.ones(2, requires_grad=True)
     with torch._inductor.config.patch(compile_threads=1):
-        for backend in (BACKEND, "inductor"):
-            torch.compile(lambda t: torch.tanh(t) * 2, backend=backend)(x).sum().backward()
-        torch._dynamo.reset()
+        compile_before_forking(BACKEND, "inductor")
         yield
 
 

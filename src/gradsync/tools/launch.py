@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .._torch import OPTIMIZER_IMPORTS
+from .._torch import OPTIMIZER_IMPORTS, compile_throwaway
 
 
 class RankError(RuntimeError):
@@ -27,6 +27,14 @@ def import_before_forking() -> None:
     next do not each import it again."""
     for name in OPTIMIZER_IMPORTS:
         __import__(name)
+
+
+def compile_before_forking(*backends: str) -> None:
+    """Compile a throwaway function once per ``torch.compile`` backend here, then forget it: what a first compile
+    imports and probes (CPU-seconds: Dynamo, AOT autograd, inductor's CPU checks) is paid once, not again by every
+    rank forked next. Inductor compiles in this process: a rank forked after its worker pool started would wait on
+    that pool forever."""
+    compile_throwaway(*backends)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0,
