@@ -13,8 +13,9 @@ from helpers import mlp, run_ranks
 
 
 def windows(rank, world_size, n, slow_rank=None, sleep=0.2, accum=1):
-    """Train ``n`` windows; ``slow_rank`` sleeps ``sleep`` s in each synced backward. Return each window's
-    report (as plain tuples) and the warnings gradsync logged."""
+    """Train ``n`` windows; ``slow_rank`` sleeps ``sleep`` s in each synced backward. Return the report
+    after each window (as plain tuples; None after the first: it reports the synced backward before the
+    latest) and the warnings gradsync logged."""
     caught = []
     handler = logging.Handler()
     handler.emit = lambda record: caught.append(record.getMessage())
@@ -31,7 +32,7 @@ def windows(rank, world_size, n, slow_rank=None, sleep=0.2, accum=1):
                     loss.register_hook(lambda grad: time.sleep(sleep) or grad)  # inside this rank's backward
                 acc.backward(loss)
         r = model.sync_report()
-        reports.append((r.sync, r.slowest, {k: (v.compute_ms, v.wait_ms) for k, v in r.ranks.items()}))
+        reports.append(r and (r.sync, r.slowest, {k: (v.compute_ms, v.wait_ms) for k, v in r.ranks.items()}))
         if caught and warned_at is None:
             warned_at = w
     return reports, caught, warned_at
@@ -40,24 +41,25 @@ def windows(rank, world_size, n, slow_rank=None, sleep=0.2, accum=1):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_the_slow_rank_is_named_in_every_window_and_warned_within_three(world_size):
     slow = world_size - 1
-    results = run_ranks(windows, world_size, 5, slow, timeout=120)
+    results = run_ranks(windows, world_size, 6, slow, timeout=120)
     first = results[0][0]
     for reports, caught, warned_at in results:
         assert reports == first  # the same report on every rank, to the microsecond
-        assert [r[1] for r in reports] == [slow] * 5
-        assert warned_at is not None and warned_at <= 2, caught
+        assert reports[0] is None and [r[:2] for r in reports[1:]] == [(w, slow) for w in range(5)]
+        assert warned_at is not None and warned_at <= 3, caught  # three reports: after the fourth window
         assert len(caught) == 1 and f"rank {slow} was the slowest in 3 of the last 3" in caught[0]
         assert "straggler" in caught[0]
-    for _, slowest, ranks in first:
+    for _, slowest, ranks in first[1:]:
         assert ranks[slow][0] >= 190  # its own backward holds the 200 ms sleep
         for r in range(world_size - 1):  # the others' backwards do not, but they wait for it
             assert ranks[r][0] < ranks[slow][0] - 150 and ranks[r][1] >= 150, ranks
 
 
 def test_accumulation_windows_report_the_synced_backward():
-    results = run_ranks(windows, 2, 4, 1, 0.2, 3, timeout=120)
+    results = run_ranks(windows, 2, 5, 1, 0.2, 3, timeout=120)
     reports, caught, _ = results[0]
-    assert [r[0] for r in reports] == [0, 1, 2, 3] and {r[1] for r in reports} == {1} and caught
+    assert reports[0] is None and [r[0] for r in reports[1:]] == [0, 1, 2, 3] and {r[1] for r in reports[1:]} == {1}
+    assert caught
 
 
 def test_a_balanced_run_under_load_gives_no_warning():
@@ -68,7 +70,7 @@ def test_a_balanced_run_under_load_gives_no_warning():
         for h in hogs:
             h.kill()
     for reports, caught, _ in results:
-        assert caught == [] and len(reports) == 30
+        assert caught == [] and len(reports) == 30 and None not in reports[1:]
 
 
 def report(slowest, times, sync=0):
@@ -90,7 +92,7 @@ def test_noise_below_the_thresholds_never_warns():
     assert all(s.observe(report(0, [10])) is None for _ in range(5))  # one rank: nobody to compare
 
 
-def test_sync_report_is_none_before_the_first_synced_backward():
+def test_sync_report_is_none_until_the_second_synced_backward():
     def fn(rank, world_size):
         model = gradsync.DistributedDataParallel(mlp(), straggler_warning=False)
         before = model.sync_report()
@@ -98,16 +100,22 @@ def test_sync_report_is_none_before_the_first_synced_backward():
             model(torch.ones(2, 8)).sum().backward()
         local = model.sync_report()
         model(torch.ones(2, 8)).sum().backward()
-        return before, local, model.sync_report().slowest in (0, 1), model.reducer.stragglers
-    for before, local, named, stragglers in run_ranks(fn, 2):
-        assert before is None and local is None and named and stragglers is None
+        first = model.sync_report()
+        with model.no_sync():
+            model(torch.ones(2, 8)).sum().backward()
+        model(torch.ones(2, 8)).sum().backward()
+        second = model.sync_report()
+        return before, local, first, (second.sync, sorted(second.ranks)), model.reducer.stragglers
+    for before, local, first, second, stragglers in run_ranks(fn, 2):
+        assert before is None and local is None and first is None and stragglers is None
+        assert second == (0, [0, 1])  # the first synced backward's, both ranks
 
 
 def traced(rank, world_size, path):
     model = gradsync.DistributedDataParallel(mlp(), bucket_cap_mb=1e-4, first_bucket_cap_mb=1e-4,
                                              straggler_warning=False)
     model.enable_comm_trace()
-    for _ in range(3):
+    for _ in range(4):
         loss = model(torch.ones(4, 8)).square().mean()
         if rank == 1:
             loss.register_hook(lambda grad: time.sleep(0.1) or grad)
@@ -124,10 +132,10 @@ def test_export_trace_draws_every_rank_in_one_file(tmp_path):
     spans = [e for e in events if e["ph"] == "X"]
     for rank in (0, 1):
         mine = [e for e in spans if e["pid"] == rank]
-        assert sum(e["name"].startswith("bucket") for e in mine) == 3 * buckets
+        assert sum(e["name"].startswith("bucket") for e in mine) == 4 * buckets
         work = [e for e in mine if e["name"] == "own work"]
         waits = [e for e in mine if e["name"] == "waiting on the others"]
-        assert len(work) == len(waits) == 3
+        assert len(work) == len(waits) == 3  # the last synced backward's times would ride in the next
         assert all((e["dur"] >= 90_000) == (rank == 1) for e in work)  # rank 1's 100 ms sleep, in microseconds
     ends = {e["pid"]: e["ts"] + e["dur"] for e in spans if e["name"] == "waiting on the others"}
     assert abs(ends[0] - ends[1]) < 1.0  # aligned on the end of each synced backward

@@ -64,7 +64,7 @@ class GradientAccumulator(Windows):
             if getattr(model, "sharded", False):
                 raise ValueError("gradsync: noise_scale=True needs every rank's whole window gradient, which "
                                  "ShardedDataParallel does not keep; use DistributedDataParallel")
-            self._target.measure_local_norms()
+            self.noise.local_norms = self._target.measure_local_norms()
         self._started = False  # this micro-step's backward began
         self._pending_carry: Any = None  # the reader of what this micro-step's backward carries
         self._mark: Any = None
@@ -222,7 +222,7 @@ class GradientAccumulator(Windows):
         if self.noise.scale is not None:
             several = self._world_size > 1 and self._target is not None
             self.noise.observe(rows, items=self._kind == ITEMS, split=self._weights is not None, several=several,
-                               report=self._target.sync_report() if several else None, scale_len=self._scale_len,
+                               scale_len=self._scale_len,
                                item_count=self._items, units=self._units)
 
     def _gather_skips(self, rows: dict[int, tuple[float, ...]]) -> list[tuple[int, int, str]]:

@@ -49,6 +49,7 @@ class NoiseEstimates:
         self.scale = NoiseScale() if enabled else None
         self.first: tuple[float, float] | None = None  # one rank: the window's first micro-step (|G|^2, batch)
         self.grad_norm: float | None = None  # the closed window's, once read
+        self.local_norms: Any = None  # several ranks: a reader of each rank's local |G_r|^2 (measure_local_norms)
 
     def start_window(self) -> None:
         self.grad_norm, self.first = None, None
@@ -69,21 +70,21 @@ class NoiseEstimates:
             scale = scale_len if count is None else 1.0 / batch
             self.first = (self.norm2() * scale ** 2, batch)
 
-    def observe(self, rows: dict[int, tuple[float, ...]], *, items: bool, split: bool, several: bool, report: Any,
+    def observe(self, rows: dict[int, tuple[float, ...]], *, items: bool, split: bool, several: bool,
                 scale_len: float, item_count: Any, units: int) -> None:
-        """The window closed (its reduced gradient is in .grad). ``several`` ranks: ``report`` (the synced
+        """The window closed (its reduced gradient is in .grad). ``several`` ranks: ``local_norms`` (the synced
         backward's) has every rank's local squared norm; one rank: ``first`` is the small batch."""
         big2 = self.norm2()
         self.grad_norm = big2 ** 0.5
         if split:
             return  # a split() window weights rows, not micro-batches: no estimate
         if several:
-            small = []
+            small, norms = [], self.local_norms() if self.local_norms is not None else None
             for r, row in rows.items():
-                mine = report.ranks.get(r) if report is not None else None
+                mine = norms.get(r) if norms is not None else None
                 batch = row[1] if items else row[2]
-                if mine is not None and mine.local_norm2 is not None and batch > 0:
-                    small.append((mine.local_norm2 * ((1 / batch) if items else (scale_len / batch)) ** 2, batch))
+                if mine is not None and batch > 0:
+                    small.append((mine * ((1 / batch) if items else (scale_len / batch)) ** 2, batch))
             big = sum(b for _, b in small)
         else:
             small = [self.first] if self.first is not None else []

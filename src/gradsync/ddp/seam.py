@@ -44,11 +44,9 @@ class SyncTarget(Protocol):
         (``engine/replay.py``); return "replayed", "dropped" or "resynced" (local window dropped)."""
 
 
-    def measure_local_norms(self) -> None:
-        """Carry every rank's local squared gradient norm in each synced backward's report."""
-
-    def sync_report(self) -> Any:
-        """The latest synced backward's report (``engine/telemetry.py``), the same on every rank."""
+    def measure_local_norms(self) -> Callable[[], dict[int, float] | None]:
+        """Carry every rank's local squared gradient norm in each synced backward's control; return a
+        reader of the latest synced backward's, by rank."""
 
     def advance_counters(self, micro_steps: int) -> None:
         """Count ``micro_steps`` this rank does not run in a window where others run more (uneven plans)."""

@@ -241,7 +241,6 @@ class DistributedDataParallel(nn.Module, Joinable):
     def enable_comm_trace(self) -> list[dict]:
         """Start recording a per-bucket timeline of every synced backward; return the record list."""
         return self.reducer.enable_trace()
-
     comm_trace = property(lambda self: self.reducer.trace)
 
     def export_trace(self, path: str) -> None:
@@ -250,13 +249,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         torch_extras.export_trace(self, path)
 
     def sync_report(self) -> Any:
-        """The latest synced backward as every rank saw it, the same on every rank (``engine/telemetry.py``):
-        ``ranks[r].compute_ms`` (its own backward), ``ranks[r].wait_ms`` (its waits), ``slowest``; or None."""
+        """The synced backward before the latest (its waits ride in the latest's control), the same on every
+        rank: ``sync``, ``ranks[r].compute_ms`` / ``.wait_ms``, ``slowest``; or None (``engine/telemetry.py``)."""
         return self.reducer.last_report
 
-    def measure_local_norms(self) -> None:
-        """From now on each synced backward's report carries every rank's local squared gradient norm."""
+    def measure_local_norms(self) -> Callable[[], dict[int, float] | None]:
+        """Carry every rank's local squared gradient norm in each synced control; return the latest's reader."""
         self.reducer.measure_norm = True
+        return lambda: self.reducer.local_norms
 
     @property
     def bucket_choice(self) -> dict | None:

@@ -12,10 +12,12 @@ the same diagnosis before issuing anything that could not pair. A slow rank is n
 payload carries ``PAYLOAD`` float64 values per rank at no extra collective (the accumulator's item
 count: ``carry``); their bits travel as int64, so they arrive exactly.
 
-**The control.** Each synced backward ends with one small int32 all-reduce after the last bucket:
-``[backward count per rank | used count per parameter | forward count per rank | failed flag per rank |
-compute us, wait us, local squared norm per rank | present]``. Each rank writes only its own slots, so
-the sum is an all-gather of the counters. ``verdict.py`` reads it.
+**The control.** Each synced backward ends with one small int32 all-reduce, launched right after the
+last bucket so that its latency hides behind theirs: ``[backward count per rank | used count per
+parameter | forward count per rank | failed flag per rank | compute us + 1, wait us, local squared norm
+per rank | present]``. Each rank writes only its own slots, so the sum is an all-gather of the counters
+(``Verdict`` reads it). The times need every bucket's result, which comes after the launch: they ride
+in the next synced backward's control (``send_control``), so the report lags one synced backward.
 
 **Waits.** Every wait on any collective goes through ``ControlPlane.wait``, bounded by the timeout.
 When the data plane is on a device, the control traffic runs on a CPU (gloo) group of the same ranks
@@ -39,6 +41,7 @@ from .. import process
 from .._torch import Future
 from .errors import PeerFailure, SyncError
 from .groups import control_group
+from .messages import headers_out_of_step, out_of_step, phase_mismatch
 
 FORWARD, BACKWARD = 1, 2  # a joined rank shadowing the others writes a row of zeros
 PAYLOAD = 4  # float64 slots per rank in a header
@@ -83,19 +86,20 @@ def empty_control(world_size: int, n: int, device: torch.device | None = None) -
 
 def control_tensor(rank: int, world_size: int, backward_count: int, forward_count: int,
                    used: Sequence[bool], device: torch.device | None = None, failed: int = 0,
-                   times_us: tuple[float, float] = (0, 0), norm2: torch.Tensor | None = None) -> torch.Tensor:
+                   times_us: Sequence[float] | None = None, norm2: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's control. ``failed``: 1 when its backward failed part-way and its window can be
     reduced again without it, 2 when it cannot (it held synced gradients of the window already).
-    ``times_us``: its compute and wait; ``norm2``: its local gradient's squared norm, a float32 whose
-    bits ride in an int32 slot (the sum adds zeros to them: they arrive intact)."""
+    ``times_us``: its previous synced backward's compute and wait (None: none to send); ``norm2``: its
+    local gradient's squared norm, a float32 whose bits ride in an int32 slot (the sum adds zeros)."""
     w, n = world_size, len(used)
     control = empty_control(w, n)
     control[rank] = backward_count
     control[w:w + n] = torch.tensor(used, dtype=torch.int32)
     control[w + n + rank] = forward_count
     control[2 * w + n + rank] = failed
-    control[3 * w + n + rank] = min(int(times_us[0]), 2**31 - 1)
-    control[4 * w + n + rank] = min(int(times_us[1]), 2**31 - 1)
+    if times_us is not None:  # the compute slot is 1 more: 0 means the rank sent none
+        control[3 * w + n + rank] = min(int(times_us[0]) + 1, 2**31 - 1)
+        control[4 * w + n + rank] = min(int(times_us[1]), 2**31 - 1)
     control[-1] = 1
     control = control.to(device) if device is not None else control
     if norm2 is not None:
@@ -149,12 +153,13 @@ class ControlPlane:
         self.headers_sent = 0  # phases this rank started (a skipped micro-step replays the missing ones)
         self.sent_payload: tuple[float, ...] = ()  # carried by the latest synced backward's header
         self.protocol: Any = None  # a commit protocol (protocol.py): waits also end when the group broke
+        self.times: tuple[int, float, float] | None = None  # (sync, compute us, wait us) for the next control
 
     def regroup(self, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
         """Use (the control group for) a new data group; the next header carries the same values."""
         self.group, self.device = control_group(group, self.data_device)
         self.rank, self.world_size = rank, world_size
-        self.work, self.payload, self.payloads = None, self.sent_payload, None
+        self.work, self.payload, self.payloads, self.times = None, self.sent_payload, None, None
 
     def set_active(self, ranks: list[int] | None) -> None:
         """Inside ``DDP.join()``: the ranks with data for this forward (None: every rank)."""
@@ -197,7 +202,7 @@ class ControlPlane:
             return
         self.wait(work, "the phase header")  # a slow rank is fine: this waits the usual bound
         rows = self.header.cpu().tolist()
-        _check_phases([tuple(r[:3]) for r in rows], rank=self.rank, active=self.active())
+        check_phases([tuple(r[:3]) for r in rows], rank=self.rank, active=self.active())
         if self.kind == BACKWARD:
             values = self.header[:, 3:].cpu().contiguous().view(torch.float64).tolist()
             self.payloads = {r: tuple(values[r]) for r in self.active()}
@@ -216,14 +221,20 @@ class ControlPlane:
         """All-reduce the end-of-backward control (after the buckets' collectives)."""
         return dist.all_reduce(control, group=self.group, async_op=True)
 
-    def exchange_control(self, used: Sequence[bool], failed: int, times_us: tuple[float, float],
-                         norm2: torch.Tensor | None) -> Verdict:
-        """All-reduce this rank's control (after its buckets), wait for it and read what it says."""
-        c = self.counters
+    def send_control(self, used: Sequence[bool], failed: int, norm2: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
+        """Launch this rank's control (after its buckets, before their results), with the previous
+        synced backward's times when this rank measured them (``read_control``)."""
+        c, times = self.counters, self.times
         sent = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed,
-                              times_us, norm2)
-        self.wait(self.launch_control(sent), "the end-of-backward check")
-        return Verdict(sent.cpu(), self.rank, self.world_size, len(used), self.active(), c.sync)
+                              times[1:] if times is not None and times[0] == c.sync - 1 else None, norm2)
+        return self.launch_control(sent), sent
+
+    def read_control(self, launched: tuple[Any, torch.Tensor], n: int, times_us: tuple[float, float]) -> Verdict:
+        """Keep this synced backward's ``times_us`` for the next control; wait for this one and read it."""
+        self.times = (self.counters.sync, *times_us)
+        work, sent = launched
+        self.wait(work, "the end-of-backward check")
+        return Verdict(sent.cpu(), self.rank, self.world_size, n, self.active(), self.counters.sync)
 
     def wait(self, handle: Any, what: str) -> None:
         """Wait for a Work or Future, bounded by the timeout, with a useful error."""
@@ -257,25 +268,16 @@ class Verdict:
         idle = [r for r in range(w) if r not in active]
         if (int(control[-1]) != len(active) or any(backward[r] <= 0 for r in active)
                 or any(backward[r] or forward[r] for r in idle)):
-            raise SyncError(
-                f"gradsync: rank {rank}'s end-of-backward check of synced backward {sync} paired with a "
-                "different collective on another rank: the ranks ran different sequences of collectives (a "
-                "rank skipped a backward or a forward, ran a different number of micro-steps, or disagreed "
-                "about no_sync). No gradients were applied; the process group is out of step, restart the "
-                "job from a checkpoint.")
+            raise SyncError(out_of_step(rank, sync))
         if len({backward[r] for r in active}) > 1 or len({forward[r] for r in active}) > 1:
-            detail = ", ".join(f"rank {r}: forward {forward[r]}, backward {backward[r]}" for r in active)
-            raise SyncError(
-                f"gradsync: ranks disagree about which backward synchronizes gradients ({detail}). A rank "
-                "skipped a backward (a forward without backward counts as skipped), ran a different number "
-                "of micro-steps in an accumulation window, or entered no_sync() when another did not. No "
-                "gradients were applied.")
+            raise SyncError(phase_mismatch(", ".join(f"rank {r}: forward {forward[r]}, backward {backward[r]}" for r in active)))
         self.counts: list[int] = control[w:w + n].tolist()  # per parameter: the ranks that produced a gradient
         flags = control[2 * w + n:3 * w + n].tolist()
         self.failed = {r: flag for r, flag in enumerate(flags) if flag}  # ranks whose backward failed part-way
 
     def telemetry(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per rank [compute us | wait us], and local squared norms (float32)."""
+        """Per rank [compute us + 1 (0: none sent) | wait us] of the previous synced backward, and this
+        one's local squared norms (float32)."""
         w, n = self.world_size, self.n
         return self.control[3 * w + n:5 * w + n], self.control[5 * w + n:6 * w + n].contiguous().view(torch.float32)
 
@@ -291,34 +293,12 @@ class Verdict:
                 "synchronized; do not step the optimizer on them.")
 
 
-def _describe(row: Sequence[int]) -> str:
-    kind, forward, backward = row
-    if kind == FORWARD:
-        return f"started forward {forward + 1} (after backward {backward})"
-    if kind == BACKWARD:
-        return f"is finishing backward {backward} (after forward {forward})"
-    return f"sent an unknown header {list(row)}"
-
-
-def _check_phases(rows: list[tuple[int, int, int]], *, rank: int, active: Sequence[int]) -> None:
+def check_phases(rows: list[tuple[int, int, int]], *, rank: int, active: Sequence[int]) -> None:
     """Raise on every rank unless the active ranks are in the same phase and no other rank is."""
     idle = [r for r in range(len(rows)) if r not in active]
-    if len({rows[r] for r in active}) == 1 and rows[active[0]][0] in (FORWARD, BACKWARD) \
-            and not any(any(rows[r]) for r in idle):
-        return
-    if any(any(rows[r]) for r in idle) or any(rows[r][0] not in (FORWARD, BACKWARD) for r in active):
-        raise SyncError(
-            f"gradsync: rank {rank}'s phase header paired with a different collective on another "
-            f"rank (headers {[list(r) for r in rows]}, active ranks {list(active)}): the ranks ran "
-            "different sequences of collectives, e.g. one is in model.join() or in a collective of "
-            "its own. The process group is out of step; restart the job from a checkpoint.")
-    detail = ", ".join(f"rank {r} {_describe(rows[r])}" for r in active)
-    raise SyncError(
-        f"gradsync: the ranks are out of step: {detail}. A rank skipped a backward (a training "
-        "forward with gradients enabled counts as one that needs a backward), skipped a "
-        "micro-step, ran a different number of micro-steps in an accumulation window, or entered "
-        "no_sync() when another did not. Detected on every rank before any gradient was applied; "
-        "the process group is out of step, restart the job from a checkpoint.")
+    if len({rows[r] for r in active}) != 1 or rows[active[0]][0] not in (FORWARD, BACKWARD) \
+            or any(any(rows[r]) for r in idle):
+        raise SyncError(headers_out_of_step(rows, rank=rank, active=active, idle=idle))
 
 
 __all__ = ["BACKWARD", "FORWARD", "PAYLOAD", "ControlPlane", "Counters", "Verdict", "bounded_wait",

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 _ERRORS = itertools.count()  # orders the errors a wrapper's parts log (the latest one is reported)
 
@@ -60,3 +61,42 @@ RESCALE_AFTER_OVERLAP = (
     "gradsync: gradients must be rescaled after the synced backward (GradientAccumulator with num_items, or a "
     "window that ended early), but overlap_optimizer already stepped on them inside that backward. Use mean "
     "losses over full windows, or remove overlap_optimizer.")
+
+
+def out_of_step(rank: int, sync: int) -> str:
+    return (f"gradsync: rank {rank}'s end-of-backward check of synced backward {sync} paired with a "
+            "different collective on another rank: the ranks ran different sequences of collectives (a "
+            "rank skipped a backward or a forward, ran a different number of micro-steps, or disagreed "
+            "about no_sync). No gradients were applied; the process group is out of step, restart the "
+            "job from a checkpoint.")
+
+
+def phase_mismatch(detail: str) -> str:
+    return (f"gradsync: ranks disagree about which backward synchronizes gradients ({detail}). A rank "
+            "skipped a backward (a forward without backward counts as skipped), ran a different number "
+            "of micro-steps in an accumulation window, or entered no_sync() when another did not. No "
+            "gradients were applied.")
+
+
+def _describe(row: Sequence[int]) -> str:
+    kind, forward, backward = row
+    if kind == 1:  # control.FORWARD
+        return f"started forward {forward + 1} (after backward {backward})"
+    if kind == 2:  # control.BACKWARD
+        return f"is finishing backward {backward} (after forward {forward})"
+    return f"sent an unknown header {list(row)}"
+
+
+def headers_out_of_step(rows: list[tuple[int, int, int]], *, rank: int, active: Sequence[int], idle: list[int]) -> str:
+    """The phase headers did not agree (``control.check_phases``): why, as every rank will say it."""
+    if any(any(rows[r]) for r in idle) or any(rows[r][0] not in (1, 2) for r in active):
+        return (f"gradsync: rank {rank}'s phase header paired with a different collective on another "
+                f"rank (headers {[list(r) for r in rows]}, active ranks {list(active)}): the ranks ran "
+                "different sequences of collectives, e.g. one is in model.join() or in a collective of "
+                "its own. The process group is out of step; restart the job from a checkpoint.")
+    detail = ", ".join(f"rank {r} {_describe(rows[r])}" for r in active)
+    return (f"gradsync: the ranks are out of step: {detail}. A rank skipped a backward (a training "
+            "forward with gradients enabled counts as one that needs a backward), skipped a "
+            "micro-step, ran a different number of micro-steps in an accumulation window, or entered "
+            "no_sync() when another did not. Detected on every rank before any gradient was applied; "
+            "the process group is out of step, restart the job from a checkpoint.")

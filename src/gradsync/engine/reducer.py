@@ -4,8 +4,8 @@ It knows parameters, buckets and a process group: nothing of modules, optimizers
 Parts: ``store`` (bucket memory), ``launcher`` (a bucket's collective), ``plane`` (``control.py``), ``it`` (what this
 backward has seen). The trip: a gradient's hook counts it into its bucket (``register_grad_ready``, inline in the
 hook); a full bucket copies its gradients in and starts its collective, in index order on every rank
-(``start_grad_sync``); the end-of-backward callback runs ``finish_grad_sync``: ``reduce`` waits for the buckets and
-the control and checks it, ``commit`` writes the averages back. A commit protocol attaches (``protocol.attach``).
+(``start_grad_sync``); the end-of-backward callback runs ``finish_grad_sync``: ``reduce`` launches the control, waits
+for the buckets and it, checks it; ``commit`` writes the averages back. A commit protocol attaches (``protocol.attach``).
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ class Reducer:
         self.unsynced = False  # local gradients are waiting for a synced backward (ddp/guard.py reads it)
         self.failed_ranks: list[int] = []  # ranks whose latest synced backward failed part-way (replay.py)
         self.attached: Any = None  # a commit protocol's Attachment (protocol.attach), set by a feature
-        self.last_report, self.measure_norm = None, False  # the latest SyncReport; every rank's local norm too
+        self.last_report, self.measure_norm, self.local_norms = None, False, None  # SyncReport; {rank: local norm^2}
         self.stragglers = telemetry.Stragglers() if config.straggler_warning else None
         self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
         self.finite_check = partial(check_finite, params=self.params, names=self.names) if config.check_finite else None
@@ -245,18 +245,19 @@ class Reducer:
             raise self.attached.broken
         used = self.window_used if self.tracks_graph else [True] * n if failed else it.hooked
         ready = it.t_ready or time.perf_counter()
-        results = None  # the buckets first: the control then carries how long this rank waited for them
+        self.launcher.before_control([b.handle for b in store.buckets])
+        control = self.plane.send_control(used, failed, telemetry.local_norm2(self) if self.measure_norm else None)
+        results = None  # the control is in flight beside the buckets: its latency hides behind theirs
         if self.bucket_reduced is not None:  # overlap_optimizer: write back and step bucket by bucket
             store.write_back_as_reduced(self.launcher, self.world_size, self.finite_check, self.bucket_done)
         else:  # every bucket's, or a skipped one's own buffer (unused.py, only when enabled: off the trip)
             results = self.skips.results(self.launcher, store.buckets) if self.skips.enabled else [
                 self.launcher.result(b) for b in store.buckets]
-        self.launcher.before_control([b.handle for b in store.buckets])
         # its own work, and every wait on the others: in its hooks (the header) and after its last gradient
         times = (max((ready - self.counters.forward_end - it.hook_wait) * 1e6, 0), (time.perf_counter() - ready + it.hook_wait) * 1e6)
-        norm2 = telemetry.local_norm2(self) if self.measure_norm else None
-        verdict = self.plane.exchange_control(used, failed, times, norm2)
-        self.last_report = telemetry.record_report(verdict, self.counters.sync, self.measure_norm, self.stragglers)
+        verdict = self.plane.read_control(control, n, times)  # the times ride in the next synced backward's
+        self.last_report = telemetry.record_report(verdict, self.counters.sync - 1, self.stragglers, self.trace) or self.last_report
+        self.local_norms = telemetry.local_norms(verdict) if self.measure_norm else None
         self.failed_ranks = sorted(verdict.failed)
         if verdict.failed:  # a rank's backward failed part-way: reduce again without its window
             results = reduce_again_without(self, verdict.failed)
@@ -275,7 +276,7 @@ class Reducer:
         """Write every bucket's average back and close the synced backward."""
         self.store.end_sync(results, counts)
         if record is not None:
-            telemetry.record_trace(self.trace, record, self.last_report, self.store)
+            telemetry.record_trace(self.trace, record, self.store)
             self.it.record = None
         self.window_used = [False] * len(self.params)
         self.unsynced = False

@@ -3,9 +3,11 @@
 Under DDP every rank waits for the slowest in the all-reduce, so timings taken from outside look
 alike. The reducer knows when this rank's last gradient of a synced backward was ready (its own
 work: from the forward's end, less the time its hooks waited on the phase header) and how long it
-waited on the others (that header wait, then until every bucket was reduced). Each rank writes both, and its local gradient's squared norm when
-asked (``GradientAccumulator(noise_scale=True)``), into its own slots of the end-of-backward control
-(``control.py``): no extra collective, the same report on every rank.
+waited on the others (that header wait, then until every bucket was reduced). Each rank writes both
+into its own slots of the next synced backward's control (``control.py``; the wait is known only once
+the control has left, beside the buckets), and its local gradient's squared norm when asked
+(``GradientAccumulator(noise_scale=True)``) into this one's: no extra collective, the same report on
+every rank, one synced backward late.
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ class RankSync:
 
     compute_ms: float  # from its forward's end until its last gradient was ready, less its waits
     wait_ms: float  # waiting on the other ranks: its hooks' wait on the header, then until every bucket was reduced
-    local_norm2: float | None = None  # |its window's local gradient|^2, when measured (noise scale)
 
 
 @dataclass(frozen=True)
@@ -40,13 +41,13 @@ class SyncReport:
     slowest: int  # the rank whose gradients were ready last
 
 
-def read_report(values: torch.Tensor, norms: torch.Tensor, active: list[int], sync: int,
-                measured: bool) -> SyncReport:
-    """Build the report from the reduced control's telemetry slots (``control.telemetry``)."""
-    us, n2 = values.tolist(), norms.tolist()
-    w = len(n2)
-    ranks = {r: RankSync(us[r] / 1000.0, us[w + r] / 1000.0, n2[r] if measured else None) for r in active}
-    return SyncReport(sync, ranks, max(active, key=lambda r: ranks[r].compute_ms))
+def read_report(values: torch.Tensor, active: list[int], sync: int) -> SyncReport | None:
+    """Build synced backward ``sync``'s report from the next control's telemetry slots (``Verdict.telemetry``):
+    the active ranks that sent their times (None if none did)."""
+    us = values.tolist()
+    w = len(us) // 2
+    ranks = {r: RankSync((us[r] - 1) / 1000.0, us[w + r] / 1000.0) for r in active if us[r] > 0}
+    return SyncReport(sync, ranks, max(ranks, key=lambda r: ranks[r].compute_ms)) if ranks else None
 
 
 class Stragglers:
@@ -103,20 +104,28 @@ def local_norm2(reducer: Any) -> torch.Tensor:
     return total * reducer.world_size ** 2 if reducer.launcher.divides_on_copy else total
 
 
-def record_report(verdict: Any, sync: int, measured: bool, stragglers: Stragglers | None) -> SyncReport:
-    """Read the reduced control's telemetry (``control.Verdict``) into a report; watch for a straggler."""
-    values, norms = verdict.telemetry()
-    report = read_report(values, norms, verdict.active, sync, measured)
-    if stragglers is not None:
+def record_report(verdict: Any, sync: int, stragglers: Stragglers | None, trace: list[dict] | None) -> SyncReport | None:
+    """Read the previous synced backward's report (``sync``) from the reduced control; watch for a
+    straggler, and give its record in the comm trace every rank's own work and waits."""
+    report = read_report(verdict.telemetry()[0], verdict.active, sync)
+    if report is not None and stragglers is not None:
         stragglers.observe(report)
+    for record in reversed(trace[-2:] if report is not None and trace else ()):
+        if record["iteration"] == sync:  # export_trace draws them
+            record["ranks"] = {r: (v.compute_ms, v.wait_ms) for r, v in report.ranks.items()}
     return report
 
 
-def record_trace(trace: list[dict], record: dict, report: SyncReport | None, store: Any) -> None:
-    """Close a synced backward's comm trace record and append it to ``trace``."""
+def local_norms(verdict: Any) -> dict[int, float]:
+    """Every active rank's local squared gradient norm, from this synced backward's control."""
+    norms = verdict.telemetry()[1].tolist()
+    return {r: norms[r] for r in verdict.active}
+
+
+def record_trace(trace: list[dict], record: dict, store: Any) -> None:
+    """Close a synced backward's comm trace record and append it to ``trace`` (its ranks' times come
+    with the next synced backward's report: ``record_report``)."""
     record["backward_end"] = time.perf_counter()
-    if report is not None:  # every rank's own work and waits (export_trace draws them)
-        record["ranks"] = {r: (v.compute_ms, v.wait_ms) for r, v in report.ranks.items()}
     for b in store.buckets:
         record["buckets"].append({"index": b.index, "bytes": store.nbytes(b), **b.times})
     trace.append(record)
@@ -154,4 +163,4 @@ def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["add_norm2", "record_trace", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "read_report", "record_report"]
+__all__ = ["add_norm2", "record_trace", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "local_norms", "read_report", "record_report"]
