@@ -11,7 +11,7 @@ from ._torch_range import UntestedTorchWarning, warn_if_untested
 warn_if_untested()  # before the engine imports: a torch that breaks them still gets the warning first
 
 from .hooks import GradBucket, allreduce_hook, bf16_compress_hook, bf16_wire_hook, fp16_compress_hook, noop_hook
-from .engine.errors import SyncError
+from .engine.errors import ReplicaMismatchError, SyncError
 from .ddp import DDP, DistributedDataParallel, replace_torch_ddp
 from .accumulate import GradientAccumulator
 from .chunked import Chunked
@@ -22,7 +22,7 @@ from . import elastic
 __version__ = "0.1.0"
 __all__ = [
     "Chunked", "DDP", "DistributedDataParallel", "GradBucket", "GradientAccumulator",
-    "ShardedDataParallel", "ShardedOptimizer", "SyncError", "UntestedTorchWarning", "elastic",
+    "ReplicaMismatchError", "ShardedDataParallel", "ShardedOptimizer", "SyncError", "UntestedTorchWarning", "elastic",
     "allreduce_hook", "bf16_compress_hook", "bf16_wire_hook", "fp16_compress_hook", "noop_hook",
     "overlap_optimizer", "replace_torch_ddp",
 ]

@@ -15,7 +15,7 @@ import torch
 import gradsync
 
 POINTS = ["forward", "local_backward", "before_reductions", "during_reductions", "after_reductions",
-          "after_commit", "optimizer_step", "none"]
+          "after_commit", "optimizer_step", "corrupt", "none"]
 
 
 def build_model(buffers: bool = False) -> torch.nn.Module:
@@ -68,6 +68,8 @@ def main() -> None:
     parser.add_argument("--kill-launcher", action="store_true", help="the victim kills its launcher too")
     parser.add_argument("--buffers", action="store_true", help="a model with buffers, broadcast at every forward")
     parser.add_argument("--kill-step", type=int, default=None, help="the micro-step of a forward kill (default: last)")
+    parser.add_argument("--check-replicas", default="", help="DDP's check_replicas (\"evict\" or \"1\"); with "
+                        "--point corrupt the victim flips a parameter bit at --window's first micro-step instead of dying")
     args = parser.parse_args()
     global KILL_LAUNCHER
     KILL_LAUNCHER = args.kill_launcher
@@ -77,7 +79,8 @@ def main() -> None:
 
     net = build_model(args.buffers)
     # one bucket per parameter: a kill between two buckets' all-reduces is a real point
-    model = gradsync.DistributedDataParallel(net, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6)
+    check = {"": False, "1": True}.get(args.check_replicas, args.check_replicas)
+    model = gradsync.DistributedDataParallel(net, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6, check_replicas=check)
     steps = 1 if args.plain else args.steps
     acc = None if args.plain else gradsync.GradientAccumulator(model, steps=steps)
     optimizer = make_optimizer(model.parameters())
@@ -141,6 +144,9 @@ def main() -> None:
     for w, k, x, y in micro_steps():
         time.sleep(args.sleep if k == 0 else 0)
         state.update(window=w, step=k, last=args.plain or acc.is_boundary)
+        if at("corrupt", 0):  # a silent fault: one flipped bit in this replica's parameters
+            with torch.no_grad():
+                net[3].weight.view(-1).view(torch.int32)[5] ^= 1 << 12
         out = model(x)
         loss = torch.nn.functional.mse_loss(out, y, reduction="sum" if args.items else "mean")
         if at("local_backward", 0) or at("before_reductions", "last"):

@@ -359,3 +359,29 @@ def test_a_joiner_admitted_right_after_a_loss_takes_the_same_lost_samples(monkey
     joiner._note_losses(m)  # as its own iterate() does first
     assert member.lost[0][:2] == (3, 2) and len(member.lost[0][2]) == 8  # its two micro-batches of window 3
     assert joiner.lost == member.lost
+
+
+def test_check_replicas_evict_removes_a_corrupted_replica_and_it_rejoins(tmp_path):
+    """Replica 2 flips one bit of a parameter at window 1's first micro-step. With check_replicas="evict" the
+    window's synced backward finds it outside the majority: replicas 0 and 1 reduce the window again without
+    it, replica 2 raises ReplicaMismatchError and exits, gradsync run restarts it and it rejoins with a peer's
+    state. All three end bit-identical and equal to one process trained on what was kept."""
+    windows = 40
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "corrupt", "--check-replicas", "evict",
+                  "--sleep", "0.1", "--until-full", "3", max_restarts=1, windows=windows)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ReplicaMismatchError" in proc.stderr and "rank(s) [2] disagree with the majority" in proc.stderr
+    first = agreeing(survivors(tmp_path), [0, 1, 2], proc.stderr)
+    (left, joined) = first["events"]
+    assert (left["generation"], left["window"], left["left"], left["joined"]) == (1, 1, [2], [])
+    assert (joined["generation"], joined["left"], joined["joined"]) == (2, [], [2])
+    want = reference(first["events"], 3, windows=first["windows"])
+    for got, ref in zip(first["params"], want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_check_replicas_without_evict_stops_every_replica(tmp_path):
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "corrupt", "--check-replicas", "1")
+    assert proc.returncode != 0
+    assert "ReplicaMismatchError" in proc.stderr and "rank(s) [2] disagree with the majority" in proc.stderr
+    assert survivors(tmp_path) == {}

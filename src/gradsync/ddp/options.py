@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import process
 from .._torch import TorchDDP, default_first_bucket_bytes, device_index, group_timeout
 from ..engine.config import ReducerConfig, resolve_reduce_dtype
 from ..engine.layout import MiB
@@ -45,7 +46,7 @@ def resolve(wrapper: type, module: nn.Module, *, refuse: tuple[type, ...], devic
             param_to_hook_all_reduce: Any, mixed_precision: Any, device_mesh: Any,
             skip_all_reduce_unused_params: bool, bucket_cap_mb_list: Any, forward_sync_buffers: Any,
             first_bucket_cap_mb: Any, timeout: Any, check_finite: bool, reduce_dtype: Any,
-            straggler_warning: bool, sharded: bool) -> Resolved:
+            straggler_warning: bool, sharded: bool, check_replicas: bool = False) -> Resolved:
     """Check and resolve a wrapper's constructor keywords (``wrapper`` is the class being built; a module
     that already is a ``refuse`` wrapper is refused)."""
     if mixed_precision is not None:
@@ -54,6 +55,10 @@ def resolve(wrapper: type, module: nn.Module, *, refuse: tuple[type, ...], devic
     if (delay_all_reduce_named_params is None) != (param_to_hook_all_reduce is None):
         raise ValueError("delay_all_reduce_named_params and param_to_hook_all_reduce "
                          "need to be set at the same time.")
+    if check_replicas == "evict" and (process.state.replica is None or process_group is not None or device_mesh is not None):
+        raise ValueError("gradsync: check_replicas=\"evict\" removes a replica that disagrees with the majority from "
+                         "an elastic job, and this model is not in one: call gradsync.elastic.init_process_group() "
+                         "under gradsync run and build it on the default group, or pass check_replicas=True")
     if check_reduction:
         warnings.warn("The `check_reduction` argument in `DistributedDataParallel` module is "
                       "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
@@ -76,7 +81,8 @@ def resolve(wrapper: type, module: nn.Module, *, refuse: tuple[type, ...], devic
         skip_all_reduce_unused_params=bool(skip_all_reduce_unused_params),
         timeout=resolve_timeout(timeout, group, device),
         reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]), check_finite=check_finite,
-        sharded=sharded, straggler_warning=bool(straggler_warning), wrapper_name=wrapper.__name__)
+        sharded=sharded, straggler_warning=bool(straggler_warning), wrapper_name=wrapper.__name__,
+        check_replicas=check_replicas)
     return Resolved(process_group=group, device_ids=ids, output_device=output, forward_sync_buffers=forward_sync,
                     init_sync_buffers=init_sync, reduced=reduced, delayed=delayed, device=device, config=config)
 

@@ -45,8 +45,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     bucket's cap), ``timeout`` (bounds every wait on a collective; default: the group's),
     ``check_finite`` (raise ``FloatingPointError`` naming the parameters whose reduced gradient is not
     finite, before writing back), ``reduce_dtype`` (accumulate and reduce in that dtype: ``param.main_grad``
-    is the average, ``.grad`` its copy in the parameter's dtype), ``straggler_warning``, and
-    ``bucket_cap_mb="auto"``. docs/differences.md lists every difference from torch's DDP.
+    is the average, ``.grad`` its copy in the parameter's dtype), ``straggler_warning``, ``check_replicas``
+    (docs/replicas.md) and ``bucket_cap_mb="auto"``. docs/differences.md lists every difference from torch's DDP.
     """
 
     sharded = False  # ShardedDataParallel: gradient shards (refusals in config.py, parts in make_reducer)
@@ -63,7 +63,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                  bucket_cap_mb_list: Sequence[float] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None, *, first_bucket_cap_mb: float | None = None,
                  timeout: timedelta | float | None = None, check_finite: bool = False,
-                 reduce_dtype: torch.dtype | None = None, straggler_warning: bool = True):
+                 reduce_dtype: torch.dtype | None = None, straggler_warning: bool = True, check_replicas: bool = False):
         super().__init__()
         Joinable.__init__(self)
         options = resolve(  # every refusal comes here, before the first collective (verify_same_model)
@@ -75,7 +75,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             mixed_precision=mixed_precision, device_mesh=device_mesh, bucket_cap_mb_list=bucket_cap_mb_list,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params, forward_sync_buffers=forward_sync_buffers,
             first_bucket_cap_mb=first_bucket_cap_mb, timeout=timeout, check_finite=check_finite,
-            reduce_dtype=reduce_dtype, straggler_warning=straggler_warning, sharded=self.sharded)
+            reduce_dtype=reduce_dtype, straggler_warning=straggler_warning, sharded=self.sharded, check_replicas=check_replicas)
         self.process_group, self.device_ids, self.output_device = options.process_group, options.device_ids, options.output_device
         if device_mesh is not None:
             self.device_mesh = device_mesh

@@ -46,6 +46,9 @@ class ReducerConfig:
     """Reduce-scatter into per-rank gradient shards (``ShardedDataParallel``)."""
     straggler_warning: bool = True
     """Log a warning naming a rank that is the slowest in every recent synced backward (``telemetry.py``)."""
+    check_replicas: bool | str = False
+    """Compare every bucket's parameters and reduced gradient across ranks in each synced backward (``replicas.py``);
+    ``"evict"``: with elastic membership, a minority that disagrees leaves the group instead of every rank raising."""
     wrapper_name: str = "DistributedDataParallel"
     """The wrapper's class name, for messages."""
 
@@ -75,6 +78,8 @@ class ReducerConfig:
         if self.skip_all_reduce_unused_params and self.sharded:
             raise ValueError(f"gradsync: {self.wrapper_name} does not take skip_all_reduce_unused_params=True: "
                              "every bucket's reduce-scatter fills every rank's shard; leave it False")
+        if not isinstance(self.check_replicas, bool) and self.check_replicas != "evict":
+            raise TypeError(f"gradsync: check_replicas must be True, False or \"evict\", got {self.check_replicas!r}")
         if self.sharded and self.auto_bucket_cap:
             raise ValueError(f"gradsync: {self.wrapper_name} lays its buckets out once, at construction, so it "
                              "cannot choose the cap from measured backwards; pass bucket_cap_mb as a size in MiB")

@@ -79,20 +79,24 @@ def header_tensor(rank: int, world_size: int, kind: int, forward_count: int, bac
     return header.to(device) if device is not None else header
 
 
-def empty_control(world_size: int, n: int, device: torch.device | None = None) -> torch.Tensor:
-    """A zero control: the contribution of a rank that takes no part (e.g. a joined one)."""
-    return torch.zeros(6 * world_size + n + 1, dtype=torch.int32, device=device)
+def empty_control(world_size: int, n: int, device: torch.device | None = None, extra: int = 0) -> torch.Tensor:
+    """A zero control: the contribution of a rank that takes no part (e.g. a joined one); ``extra``: int32
+    slots per rank after the telemetry (``replicas.py``'s fingerprints)."""
+    return torch.zeros((6 + extra) * world_size + n + 1, dtype=torch.int32, device=device)
 
 
 def control_tensor(rank: int, world_size: int, backward_count: int, forward_count: int,
                    used: Sequence[bool], device: torch.device | None = None, failed: int = 0,
-                   times_us: Sequence[float] | None = None, norm2: torch.Tensor | None = None) -> torch.Tensor:
+                   times_us: Sequence[float] | None = None, norm2: torch.Tensor | None = None,
+                   extra: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's control. ``failed``: 1 when its backward failed part-way and its window can be
     reduced again without it, 2 when it cannot (it held synced gradients of the window already).
     ``times_us``: its previous synced backward's compute and wait (None: none to send); ``norm2``: its
-    local gradient's squared norm, a float32 whose bits ride in an int32 slot (the sum adds zeros)."""
+    local gradient's squared norm, a float32 whose bits ride in an int32 slot (the sum adds zeros);
+    ``extra``: its own int32 slots after the telemetry (``empty_control``)."""
     w, n = world_size, len(used)
-    control = empty_control(w, n)
+    e = 0 if extra is None else extra.numel()
+    control = empty_control(w, n, extra=e)
     control[rank] = backward_count
     control[w:w + n] = torch.tensor(used, dtype=torch.int32)
     control[w + n + rank] = forward_count
@@ -104,6 +108,8 @@ def control_tensor(rank: int, world_size: int, backward_count: int, forward_coun
     control = control.to(device) if device is not None else control
     if norm2 is not None:
         control[5 * w + n + rank] = norm2.reshape(1).to(device=control.device, dtype=torch.float32).view(torch.int32)[0]
+    if extra is not None:
+        control[6 * w + n + rank * e:6 * w + n + (rank + 1) * e] = extra.to(control.device)
     return control
 
 
@@ -154,12 +160,15 @@ class ControlPlane:
         self.sent_payload: tuple[float, ...] = ()  # carried by the latest synced backward's header
         self.protocol: Any = None  # a commit protocol (protocol.py): waits also end when the group broke
         self.times: tuple[int, float, float] | None = None  # (sync, compute us, wait us) for the next control
+        self.replicas: Any = None  # check_replicas=True: replicas.ReplicaCheck, its fingerprints ride in the control
 
     def regroup(self, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
         """Use (the control group for) a new data group; the next header carries the same values."""
         self.group, self.device = control_group(group, self.data_device)
         self.rank, self.world_size = rank, world_size
         self.work, self.payload, self.payloads, self.times = None, self.sent_payload, None, None
+        if self.replicas is not None:
+            self.replicas.forget()
 
     def set_active(self, ranks: list[int] | None) -> None:
         """Inside ``DDP.join()``: the ranks with data for this forward (None: every rank)."""
@@ -224,17 +233,28 @@ class ControlPlane:
     def send_control(self, used: Sequence[bool], failed: int, norm2: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
         """Launch this rank's control (after its buckets, before their results), with the previous
         synced backward's times when this rank measured them (``read_control``)."""
-        c, times = self.counters, self.times
+        c, times, check = self.counters, self.times, self.replicas
         sent = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed,
-                              times[1:] if times is not None and times[0] == c.sync - 1 else None, norm2)
+                              times[1:] if times is not None and times[0] == c.sync - 1 else None, norm2,
+                              check.outgoing(self.device) if check is not None else None)
         return self.launch_control(sent), sent
 
-    def read_control(self, launched: tuple[Any, torch.Tensor], n: int, times_us: tuple[float, float]) -> Verdict:
-        """Keep this synced backward's ``times_us`` for the next control; wait for this one and read it."""
+    def read_control(self, launched: tuple[Any, torch.Tensor], n: int, times_us: tuple[float, float],
+                     results: Sequence[torch.Tensor] | None = None) -> Verdict:
+        """Keep this synced backward's ``times_us`` (and ``results``' fingerprints) for the next control;
+        wait for this one, read it and check it."""
         self.times = (self.counters.sync, *times_us)
+        if self.replicas is not None:
+            self.replicas.reduced(results)
         work, sent = launched
         self.wait(work, "the end-of-backward check")
-        return Verdict(sent.cpu(), self.rank, self.world_size, n, self.active(), self.counters.sync)
+        verdict = Verdict(sent.cpu(), self.rank, self.world_size, n, self.active(), self.counters.sync, self.extra_slots())
+        if self.replicas is not None:
+            self.replicas.check(verdict.extra(), verdict.active, self.counters.sync, self)
+        return verdict
+
+    def extra_slots(self) -> int:  # int32 slots per rank in the control after the telemetry (replicas.py)
+        return self.replicas.slots() if self.replicas is not None else 0
 
     def wait(self, handle: Any, what: str) -> None:
         """Wait for a Work or Future, bounded by the timeout, with a useful error."""
@@ -261,9 +281,10 @@ class ControlPlane:
 class Verdict:
     """What the reduced control says; raises on every rank if the ranks were out of step."""
 
-    def __init__(self, control: torch.Tensor, rank: int, world_size: int, n: int, active: Sequence[int], sync: int):
+    def __init__(self, control: torch.Tensor, rank: int, world_size: int, n: int, active: Sequence[int], sync: int,
+                 extra: int = 0):
         w = world_size
-        self.control, self.world_size, self.n, self.active = control, w, n, list(active)
+        self.control, self.world_size, self.n, self.active, self.e = control, w, n, list(active), extra
         backward, forward = control[:w].tolist(), control[w + n:2 * w + n].tolist()
         idle = [r for r in range(w) if r not in active]
         if (int(control[-1]) != len(active) or any(backward[r] <= 0 for r in active)
@@ -280,6 +301,10 @@ class Verdict:
         one's local squared norms (float32)."""
         w, n = self.world_size, self.n
         return self.control[3 * w + n:5 * w + n], self.control[5 * w + n:6 * w + n].contiguous().view(torch.float32)
+
+    def extra(self) -> torch.Tensor:  # each rank's extra slots (empty_control), one row per rank
+        w, n = self.world_size, self.n
+        return self.control[6 * w + n:6 * w + n + self.e * w].view(w, self.e)
 
     def check_missing(self, names: Sequence[str]) -> None:
         """Raise if some rank produced no gradient for a parameter (without find_unused_parameters)."""

@@ -10,4 +10,8 @@ class PeerFailure(SyncError):
     """With a commit protocol: a collective failed or did not finish (a peer died or left the group)."""
 
 
-__all__ = ["PeerFailure", "SyncError"]
+class ReplicaMismatchError(SyncError):
+    """``check_replicas``: ranks hold different parameters or reduced gradients where they must hold the same bits."""
+
+
+__all__ = ["PeerFailure", "ReplicaMismatchError", "SyncError"]

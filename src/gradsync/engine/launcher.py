@@ -147,6 +147,12 @@ class BucketLauncher:
 
     def result(self, bucket: Bucket) -> torch.Tensor:
         """Wait for ``bucket``'s collective; return the reduced tensor (checked against the bucket)."""
+        reduced = self._result(bucket)
+        if self.plane.replicas is not None:  # check_replicas: fingerprinted while later buckets still travel
+            self.plane.replicas.arrived(bucket.index, reduced)
+        return reduced
+
+    def _result(self, bucket: Bucket) -> torch.Tensor:
         handle = bucket.handle
         self.plane.wait(handle, f"bucket {bucket.index}")
         if not isinstance(handle, Future):

@@ -32,6 +32,7 @@ from .launcher import BucketLauncher
 from .layout import Layout
 from .errors import PeerFailure
 from .replay import reduce_again_without
+from .replicas import ReplicaCheck
 from .checks import check_finite
 from .store import Bucket, BucketStore
 from .unused import UnusedBuckets
@@ -63,6 +64,7 @@ class Reducer:
         self.attached: Any = None  # a commit protocol's Attachment (protocol.attach), set by a feature
         self.last_report, self.measure_norm, self.local_norms = None, False, None  # SyncReport; {rank: local norm^2}
         self.stragglers = telemetry.Stragglers() if config.straggler_warning else None
+        self.plane.replicas = ReplicaCheck(self.store, self.names, config.check_replicas) if config.check_replicas else None
         self.expected = Expected(self.index_of)  # graph.py: unused parameters, static_graph's counts
         self.finite_check = partial(check_finite, params=self.params, names=self.names) if config.check_finite else None
         self.skips = UnusedBuckets(config.skip_all_reduce_unused_params)  # unused.py: buckets no rank uses
@@ -77,7 +79,6 @@ class Reducer:
     backward_count = property(lambda self: self.counters.backward)
     is_sharded = property(lambda self: self.store.sharded)
     tracks_graph = property(lambda self: self.config.find_unused_parameters or self.config.static_graph)
-
     bucket_plan = property(lambda self: self.store.plan)  # () -> the buckets as lists of parameter indices
     wait = property(lambda self: self.plane.wait)  # (handle, what): bounded by the timeout
 
@@ -255,7 +256,7 @@ class Reducer:
                 self.launcher.result(b) for b in store.buckets]
         # its own work, and every wait on the others: in its hooks (the header) and after its last gradient
         times = (max((ready - self.counters.forward_end - it.hook_wait) * 1e6, 0), (time.perf_counter() - ready + it.hook_wait) * 1e6)
-        verdict = self.plane.read_control(control, n, times)  # the times ride in the next synced backward's
+        verdict = self.plane.read_control(control, n, times, results)  # times ride in the next synced backward's
         self.last_report = telemetry.record_report(verdict, self.counters.sync - 1, self.stragglers, self.trace) or self.last_report
         self.local_norms = telemetry.local_norms(verdict) if self.measure_norm else None
         self.failed_ranks = sorted(verdict.failed)
@@ -278,8 +279,7 @@ class Reducer:
         if record is not None:
             telemetry.record_trace(self.trace, record, self.store)
             self.it.record = None
-        self.window_used = [False] * len(self.params)
-        self.unsynced = False
+        self.window_used, self.unsynced = [False] * len(self.params), False
         self.counters.sync += 1
         if self.layout.ready_order is not None or self.layout.auto is not None:
             self.layout.after_sync(record)  # re-plans once from the observed order; "auto" times it

@@ -23,7 +23,7 @@ def shadow_backward(reducer: Reducer) -> None:
         views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
         works.append(launcher.issue(b.index, zeros, views, b.members, works[-1] if works else None,
                                     b.index == len(buckets) - 1))
-    control = empty_control(reducer.world_size, len(reducer.params), reducer.plane.device)
+    control = empty_control(reducer.world_size, len(reducer.params), reducer.plane.device, reducer.plane.extra_slots())
     launcher.before_control(works)
     control_work = reducer.plane.launch_control(control)
     for b, work in zip(buckets, works):

@@ -1,0 +1,186 @@
+"""``check_replicas=True``: every synced backward compares what every rank must hold bit for bit.
+
+Data parallelism rests on one invariant: after each optimizer step every replica holds the same
+parameters, and after each synced backward the same reduced gradient. A silent fault (a flipped bit
+in memory, on a link, in the optimizer's state) breaks it without a NaN, and the replicas then part
+ways for good. Each rank fingerprints, per bucket, its parameters as the previous optimizer step left
+them and the reduced gradient of the previous synced backward (known only once the buckets' results
+are in, after this control left), and writes them into its own slots of the end-of-backward control
+(``control.py``): no collective of its own, 16 bytes per bucket per rank. A mismatch raises
+``ReplicaMismatchError`` on every rank, naming the ranks that disagree with the majority (with two,
+both), the buckets and, after one more exchange made only then, the parameters.
+
+A fingerprint is the wrapped sum of a tensor's bits read as 64-bit words: integer addition is exact
+and order-free, so equal tensors give equal sums on every rank and device, and one flipped bit moves
+the sum by a power of two below 2**64, which no wrap cancels. It is computed where the data is (a
+reduction on the GPU for GPU tensors); only the 8-byte sums travel.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import PeerFailure, ReplicaMismatchError
+
+BIG = 1 << 16  # words: a tensor this large is summed alone, smaller ones after one concatenation
+
+
+def words(t: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
+    """``t``'s bits as (int64 words from its first byte, or None; its last bytes that do not fill a word, or
+    None; whether both view ``t``'s memory, rather than a copy)."""
+    flat = t.detach().reshape(-1).view(torch.uint8)
+    live = flat.storage_offset() % 8 == 0 and flat.data_ptr() == t.data_ptr()
+    if not live:  # int64 views need 8-byte aligned memory: a copy starts aligned
+        flat = flat.clone()
+    body = flat.numel() // 8 * 8
+    return (flat[:body].view(torch.int64) if body else None), (flat[body:] if body < flat.numel() else None), live
+
+
+def fingerprint(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The wrapped int64 sum of every word of ``tensors`` (a 0-d tensor on their device)."""
+    found = [words(t)[:2] for t in tensors]
+    return summed([b for b, _ in found if b is not None], [e for _, e in found if e is not None], tensors)
+
+
+def summed(bodies: list[torch.Tensor], edges: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The wrapped sum of ``bodies`` (int64 words) and ``edges`` (bytes) of ``tensors``."""
+    parts, small = [], []
+    for body in bodies:
+        (parts if body.numel() >= BIG else small).append(body)
+    if small:
+        parts.append(torch.cat(small))
+    if edges:  # a byte widened to a word: a flipped bit still moves the sum by a power of two
+        parts.append(torch.cat(edges).to(torch.int64))
+    if not parts:
+        return torch.zeros((), dtype=torch.int64, device=tensors[0].device if tensors else None)
+    return torch.stack([p.sum() for p in parts]).sum()
+
+
+class ReplicaCheck:
+    """The control's fingerprint slots for one reducer: ``1 + 4 x buckets`` int32 per rank
+    ([previous gradient present | parameters' int64 per bucket | previous reduced gradient's int64 per bucket])."""
+
+    def __init__(self, store: Any, names: Sequence[str], mode: bool | str = True):
+        self.store, self.names, self.evict = store, list(names), mode == "evict"
+        self.grads: torch.Tensor | None = None  # the previous synced backward's, per bucket
+        self.views: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}  # i -> (data_ptr, words)
+        self.arrivals: dict[int, torch.Tensor] = {}  # bucket index -> its result's fingerprint, this synced backward
+
+    def slots(self) -> int:
+        return 1 + 4 * len(self.store.buckets)
+
+    def outgoing(self, device: torch.device) -> torch.Tensor:
+        """This rank's slots for the control about to launch: the parameters now, the gradient before."""
+        buckets, self.arrivals = self.store.buckets, {}
+        grads, present = self.grads, self.grads is not None and self.grads.numel() == len(buckets)
+        mine = torch.stack([self.of_params(b.members) for b in buckets]).to(device)
+        out = torch.cat([mine, grads.to(device) if present else torch.zeros_like(mine)]).view(torch.int32)
+        return torch.cat([torch.tensor([int(present)], dtype=torch.int32, device=device), out])
+
+    def of_params(self, members: Sequence[int]) -> torch.Tensor:
+        """The fingerprint of these parameters, from word views kept while their memory stays the same."""
+        params, views, bodies, edges = self.store.params, self.views, [], []
+        for i in members:
+            seen = views.get(i)
+            if seen is None or seen[0] != params[i].data_ptr():
+                body, edge, live = words(params[i])
+                seen = (params[i].data_ptr() if live else -1, body, edge)
+                views[i] = seen
+            if seen[1] is not None:
+                bodies.append(seen[1])
+            if seen[2] is not None:
+                edges.append(seen[2])
+        return summed(bodies, edges, [params[i] for i in members])
+
+    def arrived(self, index: int, result: torch.Tensor) -> None:
+        """Bucket ``index``'s reduction is in: fingerprint it now, while later buckets still travel."""
+        if not self.store.sharded:  # each rank holds its own shard: nothing every rank must share
+            self.arrivals[index] = fingerprint([result])
+
+    def reduced(self, results: Sequence[torch.Tensor] | None) -> None:
+        """The synced backward's results are in (None: written back already): keep their fingerprints (those
+        not fingerprinted on arrival, e.g. a bucket skip_all_reduce_unused_params did not launch, now)."""
+        if self.store.sharded:
+            return
+        tensors = results if results is not None else [b.buffer for b in self.store.buckets]
+        self.grads = torch.stack([self.arrivals.get(k) if k in self.arrivals else fingerprint([t])
+                                  for k, t in enumerate(tensors)])
+
+    def forget(self) -> None:
+        """The group changed (elastic re-formation): the next control carries no previous gradient."""
+        self.grads = None
+
+    def check(self, slots: torch.Tensor, active: Sequence[int], sync: int, plane: Any) -> None:
+        """Raise ``ReplicaMismatchError`` on every rank unless the active ranks' fingerprints agree."""
+        b = len(self.store.buckets)
+        rows = {r: slots[r] for r in active}
+        params = {r: row[1:1 + 2 * b].clone().view(torch.int64).tolist() for r, row in rows.items()}
+        grads = {r: row[1 + 2 * b:].clone().view(torch.int64).tolist() for r, row in rows.items() if int(row[0])}
+        bad_params, odd = disagreeing(params, b)
+        bad_grads, odd_grads = disagreeing(grads, b) if len(grads) == len(rows) else ([], set())
+        if not bad_params and not bad_grads:
+            return
+        ranks = sorted(odd | odd_grads)
+        names = self.name_parameters(bad_params, active, plane) if bad_params else []
+        text = mismatch_text(ranks, list(active), sync, bad_params, bad_grads, names)
+        if self.evict and plane.protocol is not None and 2 * len(ranks) < len(active):
+            if plane.rank not in ranks:  # the majority re-forms without the minority and reduces the window again
+                raise PeerFailure(f"gradsync: synced backward {sync}: {who(ranks, list(active))}: evicting them "
+                                  "(check_replicas=\"evict\")")
+            text += (" check_replicas=\"evict\": this replica leaves the job, the others go on without its window; "
+                     "its launcher restarts it and it rejoins with a peer's state.")
+        raise ReplicaMismatchError(text)
+
+    def name_parameters(self, buckets: list[int], active: Sequence[int], plane: Any) -> list[str]:
+        """One more exchange, made only after a mismatch: which parameters of ``buckets`` differ."""
+        members = [i for k in buckets for i in self.store.buckets[k].members]
+        params = self.store.params
+        mine = torch.stack([fingerprint([params[i]]) for i in members]).view(torch.int32).to(plane.device)
+        w, m = plane.world_size, mine.numel()
+        table = torch.zeros(w * m, dtype=torch.int32, device=plane.device)
+        table[plane.rank * m:(plane.rank + 1) * m] = mine
+        plane.wait(dist.all_reduce(table, group=plane.group, async_op=True), "the parameters' fingerprints")
+        rows = table.cpu().view(w, m).contiguous().view(torch.int64)
+        by_rank = {r: rows[r].tolist() for r in active}
+        return [self.names[members[j]] for j in disagreeing(by_rank, len(members))[0]]
+
+
+def disagreeing(values: dict[int, list[int]], n: int) -> tuple[list[int], set[int]]:
+    """The indices where the ranks' values differ, and the ranks outside each index's strict majority
+    (every rank of an index without one)."""
+    where, ranks = [], set()
+    for k in range(n):
+        seen = Counter(v[k] for v in values.values())
+        if len(seen) > 1:
+            where.append(k)
+            value, count = seen.most_common(1)[0]
+            ranks |= {r for r, v in values.items() if v[k] != value or 2 * count <= len(values)}
+    return where, ranks
+
+
+def who(ranks: list[int], active: list[int]) -> str:
+    return (f"rank(s) {ranks} disagree with the majority of ranks {active}" if 2 * len(ranks) < len(active)
+            else f"ranks {ranks} disagree and no majority can tell which is right")
+
+
+def mismatch_text(ranks: list[int], active: list[int], sync: int, params: list[int], grads: list[int],
+                  names: list[str]) -> str:
+    what = []
+    if params:
+        shown = ", ".join(f"'{n}'" for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        what.append(f"their parameters differ (bucket(s) {params}: {shown}) as the last optimizer step left them")
+    if grads:
+        what.append(f"their reduced gradients of synced backward {sync - 1} differ (bucket(s) {grads})")
+    return (f"gradsync: the replicas stopped agreeing at synced backward {sync}: {who(ranks, active)}: {'; '.join(what)}. Every "
+            "replica must hold the same bits; a silent fault (a flipped bit in memory, on a link or in the optimizer's "
+            "state) broke that, and training on would let them drift apart for good. No gradient of this synced "
+            "backward was written back (with overlap_optimizer, its buckets already stepped). "
+            "Check or replace the named rank's host (a memory test of its GPU or RAM), then resume every rank from "
+            f"a checkpoint saved before synced backward {max(sync - 2, 0)}.")
+
+
+__all__ = ["ReplicaCheck", "disagreeing", "fingerprint", "mismatch_text", "summed", "who", "words"]
