@@ -20,7 +20,8 @@ Per model and accumulation, every variant runs one window (``accum`` micro-steps
 but the last, an AdamW step; SGD on the device-like model, whose optimizer would run on the device) per round, in a shuffled order each round, on identical model copies:
 torch's DDP at its default (and a second copy of it: the A/A pair that states the noise), torch's
 DDP at fixed caps of 1, 2, 4 and 8 MiB, gradsync (gradient views, default caps), gradsync with
-``bucket_cap_mb="auto"`` (timed only after it chose), and the same with ``bf16_wire_hook``; plus the
+``bucket_cap_mb="auto"`` (timed only after it chose), the same with ``bf16_wire_hook``, and gradsync with
+``check_replicas=True`` (against plain gradsync: what the fingerprints cost where the link bounds the step); plus the
 *compute* (the same window on a plain module, no communication) and one *all-reduce* of a flat
 fp32 tensor the size of the whole gradient. The **limit** of a round is that round's compute
 before the last micro-step + max(the last micro-step's compute, the all-reduce) + the optimizer step.
@@ -56,6 +57,11 @@ def variants(quick: bool) -> dict:
     from gradsync.tools.bench.models import GradsyncEngine, TorchEngine
     kw = dict(set_to_none=True, lr=1e-4)
 
+    class Checked(GradsyncEngine):  # what check_replicas=True costs where the link bounds the step
+        def wrap(self, module, bucket_cap_mb, view):
+            return gradsync.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb, gradient_as_bucket_view=view,
+                                                    check_replicas=True)
+
     def wire(m):
         e = GradsyncEngine(m, bucket_cap_mb="auto", view=True, **kw)
         e.model.register_comm_hook(None, gradsync.bf16_wire_hook)
@@ -66,6 +72,7 @@ def variants(quick: bool) -> dict:
     for cap in TORCH_CAPS[-1:] if quick else TORCH_CAPS:
         out[f"torch {cap:g} MiB"] = lambda m, cap=cap: TorchEngine(m, bucket_cap_mb=cap, view=False, **kw)
     out["gradsync"] = lambda m: GradsyncEngine(m, bucket_cap_mb=25.0, view=True, **kw)
+    out["gradsync check_replicas"] = lambda m: Checked(m, bucket_cap_mb=25.0, view=True, **kw)
     out["gradsync auto"] = lambda m: GradsyncEngine(m, bucket_cap_mb="auto", view=True, **kw)
     out["gradsync auto bf16_wire"] = wire
     return out
@@ -229,6 +236,7 @@ def summarize(row: dict) -> dict:
                       "auto / torch best": ratio(auto, t[best]),
                       "auto / limit": ratio(auto, row["limit"]),
                       "bf16_wire / auto": ratio(t["gradsync auto bf16_wire"], auto),
+                      "check_replicas / gradsync": ratio(t["gradsync check_replicas"], t["gradsync"]),
                       "torch best / torch": ratio(t[best], t["torch"]),
                       "torch / limit": ratio(t["torch"], row["limit"]),
                       "A/A": ratio(t["torch A/A"], t["torch"])},
@@ -251,8 +259,8 @@ def report(record: dict) -> str:
              "itself (the noise); *link* = the whole-gradient all-reduce's algorithm bandwidth (gradient bytes / time).",
              "",
              "| model | link | accum | torch ms | limit ms | gradsync / torch | auto / torch | auto / torch best "
-             "(cap) | auto / limit | bf16_wire / auto | A/A | auto chose | link Gbit/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "(cap) | auto / limit | bf16_wire / auto | check_replicas / gradsync | A/A | auto chose | link Gbit/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
         s, c = r["summary"], r["choice"].get("gradsync auto")
         chose = "-" if c is None else f"{c['bucket_cap_mb']:g} MiB / first {c['first_bucket_cap_mb']:g}"
@@ -261,7 +269,8 @@ def report(record: dict) -> str:
             f"| {r['model']} | {r['link']} | {r['accum']} | {s['median_ms']['torch']:.1f} | {s['limit_ms']:.1f} | "
             f"{q['gradsync / torch']:.3f} | {q['auto / torch']:.3f} | {q['auto / torch best']:.3f} "
             f"({s['torch_best'].replace('torch', '').strip() or '25 MiB'}) | {q['auto / limit']:.3f} | "
-            f"{q['bf16_wire / auto']:.3f} | {q['A/A']:.3f} | {chose} | {s['link_gbit_s']:.2f} |")
+            f"{q['bf16_wire / auto']:.3f} | {q['check_replicas / gradsync']:.3f} | {q['A/A']:.3f} | {chose} | "
+            f"{s['link_gbit_s']:.2f} |")
     lines += ["", "Median window (ms) of every variant:", ""]
     names = list(record["rows"][0]["summary"]["median_ms"])
     lines += ["| model | accum | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.engine.autocap import (CANDIDATES_MB, ROUNDS, TIE, choose, choose_by_link, default_cap, distinct_layouts,
+from gradsync.engine.autocap import (CANDIDATES_MB, LINK_TIE, ROUNDS, TIE, choose, choose_by_link, default_cap, distinct_layouts,
                                    first_cap, fit_link, param_ready, predict_end, syncs_to_choose)
 from gradsync.engine.layout import MiB, plan_buckets
 from gradsync.tools.launch import run_ranks
@@ -255,8 +255,10 @@ def test_the_predicted_end_and_the_choice_from_it():
     # latency counts once per bucket
     assert predict_end(per_layer, ready, nbytes, 0.01, 1e8) == pytest.approx(0.2)
     assert choose_by_link({1.0: 160.0, 25.0: 190.0}) == 1.0
-    assert choose_by_link({1.0: 160.0, 4.0: 160.0 * (1 + TIE / 2), 25.0: 190.0}) == 4.0  # fewer buckets
-    assert choose_by_link({1.0: 160.0, 25.0: 160.0 * (1 + TIE / 2)}) == 25.0
+    assert choose_by_link({1.0: 160.0, 4.0: 160.0 * (1 + LINK_TIE / 2), 25.0: 190.0}) == 4.0  # fewer buckets
+    assert choose_by_link({1.0: 160.0, 25.0: 160.0 * (1 + LINK_TIE / 2)}) == 25.0
+    # a run on the 2 gbit link: 16 MiB predicted 2.6% later measured 5% slower than 1 MiB; the earliest wins
+    assert choose_by_link({1.0: 154.0, 16.0: 158.0, 25.0: 174.0}) == 1.0
 
 
 def test_each_parameters_ready_time_is_its_buckets_median():
