@@ -1,7 +1,10 @@
 """Models, data, rank loops, one-process references and fault probes shared by the multi-rank tests."""
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import subprocess
+import sys
 import time
 import traceback
 
@@ -207,6 +210,18 @@ def reference_unused(pattern, world_size):
 
 
 # ---------------------------------------------------------------- faults
+@contextlib.contextmanager
+def cpu_hogs(n: int = 2):
+    """``n`` CPU-bound processes beside the block: a shared, loaded machine for tests that must not misfire."""
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait()
+
+
 def outcome(fn):
     """Run ``fn``; return ("ok", None, seconds) or (exception type name, message, seconds)."""
     start = time.monotonic()

@@ -1,8 +1,5 @@
 """check_replicas=True: a flipped bit in one rank's parameters, reduced gradient or optimizer state is caught
 on every rank, with the rank named (engine/replicas.py)."""
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -10,7 +7,7 @@ import torch.nn.functional as F
 
 import gradsync
 from gradsync.engine.replicas import disagreeing, fingerprint
-from helpers import mlp, run_ranks
+from helpers import cpu_hogs, mlp, run_ranks
 
 
 def flip(t: torch.Tensor, index: int = 0, bit: int = 3) -> None:
@@ -142,12 +139,8 @@ def test_check_replicas_takes_a_bool_or_evict_and_evict_only_in_an_elastic_job()
 
 
 def test_thirty_steps_beside_two_cpu_bound_processes_raise_nothing():
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
+    with cpu_hogs(2):
         results = run_ranks(train, 3, 30, timeout=300)
-    finally:
-        for h in hogs:
-            h.kill()
     assert all(done == 30 and error is None for done, error, _, _ in results)
 
 

@@ -1,7 +1,5 @@
 """model.sync_report() and the straggler warning: what only the reducer sees (engine/telemetry.py)."""
 import logging
-import subprocess
-import sys
 import time
 
 import pytest
@@ -9,7 +7,7 @@ import torch
 
 import gradsync
 from gradsync.engine.telemetry import RankSync, Stragglers, SyncReport
-from helpers import mlp, run_ranks
+from helpers import cpu_hogs, mlp, run_ranks
 
 
 def windows(rank, world_size, n, slow_rank=None, sleep=0.2, accum=1):
@@ -63,12 +61,8 @@ def test_accumulation_windows_report_the_synced_backward():
 
 
 def test_a_balanced_run_under_load_gives_no_warning():
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
-    try:
+    with cpu_hogs(2):
         results = run_ranks(windows, 3, 30, timeout=300)
-    finally:
-        for h in hogs:
-            h.kill()
     for reports, caught, _ in results:
         assert caught == [] and len(reports) == 30 and None not in reports[1:]
 

@@ -41,7 +41,7 @@ from .. import process
 from .._torch import Future
 from .errors import PeerFailure, SyncError
 from .groups import control_group
-from .messages import headers_out_of_step, out_of_step, phase_mismatch
+from .messages import foreign_header, out_of_step, phase_mismatch, phases_out_of_step
 
 FORWARD, BACKWARD = 1, 2  # a joined rank shadowing the others writes a row of zeros
 PAYLOAD = 4  # float64 slots per rank in a header
@@ -231,8 +231,7 @@ class ControlPlane:
         return dist.all_reduce(control, group=self.group, async_op=True)
 
     def send_control(self, used: Sequence[bool], failed: int, norm2: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
-        """Launch this rank's control (after its buckets, before their results), with the previous
-        synced backward's times when this rank measured them (``read_control``)."""
+        """Launch this rank's control after its buckets, before their results, with the last synced backward's times."""
         c, times, check = self.counters, self.times, self.replicas
         sent = control_tensor(self.rank, self.world_size, c.backward, c.forward, used, self.device, failed,
                               times[1:] if times is not None and times[0] == c.sync - 1 else None, norm2,
@@ -321,9 +320,10 @@ class Verdict:
 def check_phases(rows: list[tuple[int, int, int]], *, rank: int, active: Sequence[int]) -> None:
     """Raise on every rank unless the active ranks are in the same phase and no other rank is."""
     idle = [r for r in range(len(rows)) if r not in active]
-    if len({rows[r] for r in active}) != 1 or rows[active[0]][0] not in (FORWARD, BACKWARD) \
-            or any(any(rows[r]) for r in idle):
-        raise SyncError(headers_out_of_step(rows, rank=rank, active=active, idle=idle))
+    if any(any(rows[r]) for r in idle) or any(rows[r][0] not in (FORWARD, BACKWARD) for r in active):
+        raise SyncError(foreign_header(rows, rank=rank, active=active))
+    if len({rows[r] for r in active}) != 1:
+        raise SyncError(phases_out_of_step([(r, rows[r][0] == FORWARD, rows[r][1], rows[r][2]) for r in active]))
 
 
 __all__ = ["BACKWARD", "FORWARD", "PAYLOAD", "ControlPlane", "Counters", "Verdict", "bounded_wait",

@@ -78,23 +78,17 @@ def phase_mismatch(detail: str) -> str:
             "gradients were applied.")
 
 
-def _describe(row: Sequence[int]) -> str:
-    kind, forward, backward = row
-    if kind == 1:  # control.FORWARD
-        return f"started forward {forward + 1} (after backward {backward})"
-    if kind == 2:  # control.BACKWARD
-        return f"is finishing backward {backward} (after forward {forward})"
-    return f"sent an unknown header {list(row)}"
+def foreign_header(rows: list[tuple[int, int, int]], *, rank: int, active: Sequence[int]) -> str:
+    return (f"gradsync: rank {rank}'s phase header paired with a different collective on another "
+            f"rank (headers {[list(r) for r in rows]}, active ranks {list(active)}): the ranks ran "
+            "different sequences of collectives, e.g. one is in model.join() or in a collective of "
+            "its own. The process group is out of step; restart the job from a checkpoint.")
 
 
-def headers_out_of_step(rows: list[tuple[int, int, int]], *, rank: int, active: Sequence[int], idle: list[int]) -> str:
-    """The phase headers did not agree (``control.check_phases``): why, as every rank will say it."""
-    if any(any(rows[r]) for r in idle) or any(rows[r][0] not in (1, 2) for r in active):
-        return (f"gradsync: rank {rank}'s phase header paired with a different collective on another "
-                f"rank (headers {[list(r) for r in rows]}, active ranks {list(active)}): the ranks ran "
-                "different sequences of collectives, e.g. one is in model.join() or in a collective of "
-                "its own. The process group is out of step; restart the job from a checkpoint.")
-    detail = ", ".join(f"rank {r} {_describe(rows[r])}" for r in active)
+def phases_out_of_step(phases: list[tuple[int, bool, int, int]]) -> str:
+    """``phases``: (rank, in a forward, its forward count, its backward count) of each active rank."""
+    detail = ", ".join(f"rank {r} started forward {f + 1} (after backward {b})" if forward else
+                       f"rank {r} is finishing backward {b} (after forward {f})" for r, forward, f, b in phases)
     return (f"gradsync: the ranks are out of step: {detail}. A rank skipped a backward (a training "
             "forward with gradients enabled counts as one that needs a backward), skipped a "
             "micro-step, ran a different number of micro-steps in an accumulation window, or entered "

@@ -43,11 +43,12 @@ def words(t: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, bo
 def fingerprint(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The wrapped int64 sum of every word of ``tensors`` (a 0-d tensor on their device)."""
     found = [words(t)[:2] for t in tensors]
-    return summed([b for b, _ in found if b is not None], [e for _, e in found if e is not None], tensors)
+    device = tensors[0].device if tensors else None
+    return summed([b for b, _ in found if b is not None], [e for _, e in found if e is not None], device)
 
 
-def summed(bodies: list[torch.Tensor], edges: list[torch.Tensor], tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The wrapped sum of ``bodies`` (int64 words) and ``edges`` (bytes) of ``tensors``."""
+def summed(bodies: list[torch.Tensor], edges: list[torch.Tensor], device: torch.device | None) -> torch.Tensor:
+    """The wrapped sum of ``bodies`` (int64 words) and ``edges`` (bytes), on ``device`` when both are empty."""
     parts, small = [], []
     for body in bodies:
         (parts if body.numel() >= BIG else small).append(body)
@@ -56,7 +57,7 @@ def summed(bodies: list[torch.Tensor], edges: list[torch.Tensor], tensors: Seque
     if edges:  # a byte widened to a word: a flipped bit still moves the sum by a power of two
         parts.append(torch.cat(edges).to(torch.int64))
     if not parts:
-        return torch.zeros((), dtype=torch.int64, device=tensors[0].device if tensors else None)
+        return torch.zeros((), dtype=torch.int64, device=device)
     return torch.stack([p.sum() for p in parts]).sum()
 
 
@@ -94,7 +95,7 @@ class ReplicaCheck:
                 bodies.append(seen[1])
             if seen[2] is not None:
                 edges.append(seen[2])
-        return summed(bodies, edges, [params[i] for i in members])
+        return summed(bodies, edges, params[members[0]].device if members else None)
 
     def arrived(self, index: int, result: torch.Tensor) -> None:
         """Bucket ``index``'s reduction is in: fingerprint it now, while later buckets still travel."""

@@ -110,9 +110,8 @@ def record_report(verdict: Any, sync: int, stragglers: Stragglers | None, trace:
     report = read_report(verdict.telemetry()[0], verdict.active, sync)
     if report is not None and stragglers is not None:
         stragglers.observe(report)
-    for record in reversed(trace[-2:] if report is not None and trace else ()):
-        if record["iteration"] == sync:  # export_trace draws them
-            record["ranks"] = {r: (v.compute_ms, v.wait_ms) for r, v in report.ranks.items()}
+    if report is not None and trace and trace[-1]["iteration"] == sync:  # its record, closed last: export_trace draws them
+        trace[-1]["ranks"] = {r: (v.compute_ms, v.wait_ms) for r, v in report.ranks.items()}
     return report
 
 
