@@ -183,10 +183,10 @@ def test_every_rank_skipping_a_window_steps_nothing_and_warns(mode):
 SYNCED = {key: f for key, f in MIXED.items() if f != "backward"}  # no backward fails while it syncs
 
 
-@pytest.mark.parametrize("how", ["sync_each_batch", "sharded", "reduce_dtype", "find_unused_parameters"])
+@pytest.mark.parametrize("how", ["sync_each_batch", "sharded", "reduce_dtype", "find_unused_parameters", "views"])
 def test_skips_combine_with_other_modes(how):
     opts = {"sync_each_batch": dict(sync_each_batch=True), "sharded": dict(wrap="sharded"),
-            "reduce_dtype": dict(reduce_dtype=torch.float32),
+            "reduce_dtype": dict(reduce_dtype=torch.float32), "views": dict(gradient_as_bucket_view=True),
             "find_unused_parameters": dict(find_unused_parameters=True)}[how]
     plan = {key: f for key, f in (SYNCED if how == "sync_each_batch" else MIXED).items() if key[2] < 2}
     check(run_ranks(train, 2, plan, "items", False, opts), plan, "items", 2)
@@ -196,10 +196,15 @@ def test_skips_combine_with_other_modes(how):
 SYNC_FAILS = {(0, 2, 0): "backward", (1, 2, 1): "backward", (1, 0, 0): "nan", (2, 1, 0): "skip"}
 
 
-@pytest.mark.parametrize("world_size,mode", [(2, "mean"), (3, "items")])
-def test_a_backward_failing_while_it_syncs_is_reduced_again_without_its_window(world_size, mode):
+@pytest.mark.parametrize("world_size,mode,options", [
+    (2, "mean", {}), (3, "items", {}), (2, "items", {"gradient_as_bucket_view": True}),
+    (3, "mean", {"reduce_dtype": torch.float32}),
+    (2, "mean", {"reduce_dtype": torch.float32, "gradient_as_bucket_view": True})])
+def test_a_backward_failing_while_it_syncs_is_reduced_again_without_its_window(world_size, mode, options):
+    """With gradient views or reduce_dtype the window lives in the buckets: skip_on makes each bucket reduce
+    a copy (keep_window_apart), so the window survives to be reduced again."""
     plan = {key: f for key, f in SYNC_FAILS.items() if key[2] < world_size}
-    results = run_ranks(train, world_size, plan, mode)
+    results = run_ranks(train, world_size, plan, mode, False, options)
     check(results, plan, mode, world_size)
     assert any(reason.startswith("dropped") for _, _, reason in results[0][1][0])
 
@@ -210,7 +215,7 @@ def fails_while_syncing(rank, world_size, options):
                                  {"timeout": 60, **options}))
 
 
-@pytest.mark.parametrize("options", [{"gradient_as_bucket_view": True}, {"sync_each_batch": True}])
+@pytest.mark.parametrize("options", [{"sync_each_batch": True}])
 def test_a_failed_synced_backward_that_cannot_be_redone_raises_on_every_rank_at_once(options):
     # the failed rank flags itself in the control: no rank waits for the 60 s timeout
     for kind, message, seconds in faults(fails_while_syncing, options):

@@ -5,6 +5,7 @@ final parameters, members and events to ``--out``/<id>.pt. The micro-batch of (r
 micro-step) is a function of those three, so one process can train on exactly what was kept.
 """
 import argparse
+import ast
 import dataclasses
 import os
 import signal
@@ -15,15 +16,16 @@ import torch
 import gradsync
 
 POINTS = ["forward", "local_backward", "before_reductions", "during_reductions", "after_reductions",
-          "after_commit", "optimizer_step", "corrupt", "none"]
+          "after_commit", "optimizer_step", "corrupt", "auto_gather", "none"]
 
 
-def build_model(buffers: bool = False) -> torch.nn.Module:
-    """With ``buffers``, a BatchNorm: every training forward broadcasts rank 0's running statistics."""
+def build_model(buffers: bool = False, width: int = 16) -> torch.nn.Module:
+    """With ``buffers``, a BatchNorm: every training forward broadcasts rank 0's running statistics. A
+    ``width`` of 512 makes a 1 MiB weight: bucket_cap_mb="auto" then has two layouts to time."""
     torch.manual_seed(0)
-    middle = torch.nn.BatchNorm1d(16) if buffers else torch.nn.Identity()
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), middle, torch.nn.Tanh(), torch.nn.Linear(16, 16),
-                               torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    middle = torch.nn.BatchNorm1d(width) if buffers else torch.nn.Identity()
+    return torch.nn.Sequential(torch.nn.Linear(8, width), middle, torch.nn.Tanh(), torch.nn.Linear(width, width),
+                               torch.nn.Tanh(), torch.nn.Linear(width, 4))
 
 
 def micro_batch(replica: int, window: int, step: int, items: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +72,13 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=None, help="the micro-step of a forward kill (default: last)")
     parser.add_argument("--check-replicas", default="", help="DDP's check_replicas (\"evict\" or \"1\"); with "
                         "--point corrupt the victim flips a parameter bit at --window's first micro-step instead of dying")
+    parser.add_argument("--kill-delay", type=float, default=0.0, help="during_reductions: seconds before the kill")
+    parser.add_argument("--overlap", action="store_true", help="gradsync.overlap_optimizer(model, optimizer)")
+    parser.add_argument("--width", type=int, default=16, help="the model's hidden width")
+    parser.add_argument("--sync-each-batch", action="store_true", help="GradientAccumulator(sync_each_batch=True)")
+    parser.add_argument("--bf16", action="store_true", help="bf16 parameters and data, reduce_dtype=torch.float32")
+    parser.add_argument("--ddp", action="append", default=[], help="a DDP option as NAME=VALUE (Python literal), "
+                        "e.g. gradient_as_bucket_view=True, bucket_cap_mb='auto'")
     args = parser.parse_args()
     global KILL_LAUNCHER
     KILL_LAUNCHER = args.kill_launcher
@@ -77,13 +86,18 @@ def main() -> None:
     victim = me == args.victim and int(os.environ["GRADSYNC_RESTART"]) == 0
     gradsync.elastic.init_process_group("gloo", timeout=30)
 
-    net = build_model(args.buffers)
+    net = build_model(args.buffers, args.width).to(torch.bfloat16 if args.bf16 else torch.float32)
     # one bucket per parameter: a kill between two buckets' all-reduces is a real point
     check = {"": False, "1": True}.get(args.check_replicas, args.check_replicas)
-    model = gradsync.DistributedDataParallel(net, bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6, check_replicas=check)
+    options = dict(bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6, check_replicas=check)
+    options.update((k, ast.literal_eval(v)) for k, v in (o.split("=", 1) for o in args.ddp))
+    options.update(reduce_dtype=torch.float32) if args.bf16 else None
+    model = gradsync.DistributedDataParallel(net, **options)
     steps = 1 if args.plain else args.steps
-    acc = None if args.plain else gradsync.GradientAccumulator(model, steps=steps)
+    acc = None if args.plain else gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=args.sync_each_batch)
     optimizer = make_optimizer(model.parameters())
+    if args.overlap:
+        gradsync.overlap_optimizer(model, optimizer)
     if not args.plain:
         optimizer = acc.wrap_optimizer(optimizer)
     state = {"window": -1, "step": -1, "last": False}
@@ -102,6 +116,7 @@ def main() -> None:
             if at("during_reductions", "last"):
                 calls.append(1)
                 if len(calls) == 3:
+                    time.sleep(args.kill_delay)  # the others have the earlier buckets' results by then
                     die()
             return all_reduce(*a, **k)
         torch.distributed.all_reduce = counted
@@ -117,6 +132,10 @@ def main() -> None:
                 die()
             return decided
         membership.commit = vote
+
+    if victim and args.point == "auto_gather":  # inside the collective that gathers "auto"'s timings
+        gather = gradsync.engine.autocap.AutoCaps.gather
+        gradsync.engine.autocap.AutoCaps.gather = lambda self: die() if state["window"] == args.window else gather(self)
 
     processed, sampler = [], None
 
@@ -142,6 +161,7 @@ def main() -> None:
                 yield acc.windows - 1, acc.micro_step, *micro_batch(me, acc.windows - 1, acc.micro_step, args.items)
 
     for w, k, x, y in micro_steps():
+        x, y = (x.bfloat16(), y.bfloat16()) if args.bf16 else (x, y)
         time.sleep(args.sleep if k == 0 else 0)
         state.update(window=w, step=k, last=args.plain or acc.is_boundary)
         if at("corrupt", 0):  # a silent fault: one flipped bit in this replica's parameters
@@ -161,6 +181,7 @@ def main() -> None:
         optimizer.zero_grad()
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
     torch.save({"params": [p.detach().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
+                "bucket_choice": model.bucket_choice, "buckets": model.reducer.bucket_plan(),
                 "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
                 "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict()}, os.path.join(args.out, f"{me}.pt"))
 

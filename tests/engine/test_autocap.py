@@ -45,7 +45,7 @@ def test_the_default_stays_unless_another_cap_wins_every_round_clearly():
 
 
 def test_the_schedule_length():
-    assert syncs_to_choose(4) == 1 + ROUNDS * 4 and syncs_to_choose(1) == 1
+    assert syncs_to_choose(4) == 2 + ROUNDS * 4 and syncs_to_choose(1) == 1  # the last one gathers the timings
 
 
 def small_auto(rank, world_size):
@@ -107,7 +107,8 @@ def test_auto_cap_times_each_layout_agrees_and_trains_like_torch(view):
         chosen = choices[n - 1]
         assert chosen is not None and choices[n] == chosen
         layouts = list(chosen["buckets"].values())
-        assert len(layouts) >= 2 and buckets[:n - 1] == layouts * ROUNDS  # each layout timed ROUNDS times
+        assert len(layouts) >= 2 and buckets[:n - 2] == layouts * ROUNDS  # each layout timed ROUNDS times
+        assert buckets[n - 2] == layouts[-1]  # the synced backward that gathers the timings keeps the last layout
         assert buckets[-1] == chosen["buckets"][chosen["bucket_cap_mb"]]
         assert all(t > 0 for t in chosen["measured_ms"].values())
         assert all(len(t) == ROUNDS for t in chosen["rounds_ms"].values())

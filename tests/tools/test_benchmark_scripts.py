@@ -31,6 +31,14 @@ def test_chunked_memory_quick_run(capfd):
     assert "Chunked(4)" in out and "gradsync no_sync" in out
 
 
+def test_elastic_memory_quick_run(capfd):
+    load("elastic/memory").main(["--quick", "--only", "fp32, gradient_as_bucket_view, elastic", "--only", "fp32"])
+    rows = [line.split("|") for line in capfd.readouterr().out.splitlines() if line.startswith("| fp32")]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("fp32, gradient_as_bucket_view, elastic", "yes"),
+                                                            ("fp32", "no")]
+    assert float(rows[0][5]) > 0 and float(rows[1][5]) == 0  # the staged copies: only where the window is the bucket
+
+
 def test_hook_accuracy_writes_a_table(tmp_path):
     load("accuracy/hooks").main(["--steps", "3", "--out", str(tmp_path)])
     (report,) = tmp_path.glob("accuracy-hooks-*cpu-*.md")

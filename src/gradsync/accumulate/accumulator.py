@@ -44,8 +44,7 @@ class GradientAccumulator(Windows):
         if not isinstance(model, nn.Module):
             raise TypeError(f"gradsync: GradientAccumulator needs an nn.Module, got {type(model).__name__}")
         super().__init__(steps, sync_each_batch, _device_of(model))
-        self.model = model
-        self._target = model if isinstance(model, SyncTarget) else None  # a gradsync wrapper
+        self.model, self._target = model, model if isinstance(model, SyncTarget) else None  # _target: a gradsync wrapper
         if self._target is not None:  # item counts ride its phase headers: on the CPU, never read back from a GPU
             self._device = self._target.control_group()[1]
         # torch's DDP has the same switch (read at its forward) and a process group, not the rest
@@ -56,8 +55,9 @@ class GradientAccumulator(Windows):
         if (self.skip_on or self.skip_nonfinite) and self._world_size > 1 and self._target is None:
             raise ValueError("gradsync: skip_on and skip_nonfinite need a gradsync model on several ranks (it "
                              f"replays a skipped micro-step's collectives); got {type(model).__name__}")
-        self.wrapped_optimizers: list[Any] = []  # sent to a replica that joins (elastic_join.py)
-        self.wrapped_schedulers: list[Any] = []
+        if self.skip_on and self._target is not None:  # a backward that fails part-way is reduced again
+            self._target.keep_window_apart()
+        self.wrapped_optimizers, self.wrapped_schedulers = [], []  # sent to a replica that joins (elastic/join.py)
         self._boundary_done = -1  # the window boundary at_window_start() last ran at
         self.noise = NoiseEstimates(model, noise_scale)  # the gradient noise scale and the window's norm (noise.py)
         if noise_scale and self._target is not None:
@@ -70,9 +70,9 @@ class GradientAccumulator(Windows):
         self._mark: Any = None
         process.announce("accumulator", self)  # features that follow windows attach here (gradsync.elastic)
 
-    def window_position(self) -> tuple[int, int] | None:
-        """(windows started, micro-steps planned for the current one), or None before the first."""
-        return (self.windows, self._window_len) if self.windows else None
+    def window_position(self) -> tuple[int, int, int] | None:
+        """(windows started, micro-steps planned for the current one, those of it already synced: sync_each_batch)."""
+        return (self.windows, self._window_len, self._position - 1 if self.sync_each_batch else 0) if self.windows else None
 
     @property  # read at each use: a commit protocol may re-form the model's group
     def _group(self) -> Any:

@@ -51,6 +51,10 @@ class SyncTarget(Protocol):
     def advance_counters(self, micro_steps: int) -> None:
         """Count ``micro_steps`` this rank does not run in a window where others run more (uneven plans)."""
 
+    def keep_window_apart(self) -> None:
+        """Keep this rank's window apart from the buckets in flight (skip_on: a synced backward that fails
+        part-way is reduced again without the failed rank's window)."""
+
     def failed_ranks(self) -> list[int]:
         """Ranks whose latest synced backward failed part-way and were reduced as contributing nothing."""
 

@@ -135,10 +135,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if getattr(self, "superseded", False):
-            raise RuntimeError(
-                "gradsync: this DistributedDataParallel no longer synchronizes: its module (or part "
-                "of it) was wrapped again by a newer DistributedDataParallel, which now owns the "
-                "parameters. Use the newer wrapper.")
+            raise RuntimeError("gradsync: this DistributedDataParallel no longer synchronizes: its module (or part of it) "
+                               "was wrapped again by a newer DistributedDataParallel, which now owns the parameters. Use the newer wrapper.")
         reducer = self.reducer
         reducer.prepare_for_forward()
         if self.delayed is not None:
@@ -171,9 +169,12 @@ class DistributedDataParallel(nn.Module, Joinable):
         return replay.stand_in(self, start, sync, again)
 
     def advance_counters(self, micro_steps: int) -> None:
-        """This rank runs ``micro_steps`` fewer micro-steps than the others in this window (an uneven
-        plan: ``acc.plan_window``); count them as run, so the phase headers agree."""
+        """Count ``micro_steps`` this rank does not run in this window (``acc.plan_window``), as the others run them."""
         replay.advance(self, micro_steps)
+
+    def keep_window_apart(self) -> None:
+        """Reduce copies of the buckets, so a synced backward that fails part-way can be reduced again."""
+        self.reducer.store.keep_window_apart()
 
     def failed_ranks(self) -> list[int]:
         """Ranks whose latest synced backward failed part-way (their window was reduced as nothing)."""
@@ -244,8 +245,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     comm_trace = property(lambda self: self.reducer.trace)
 
     def export_trace(self, path: str) -> None:
-        """Write every rank's comm trace (``enable_comm_trace()``) to ``path`` as one Chrome trace /
-        Perfetto JSON (``engine/telemetry.py``). A collective: call it on every rank; rank 0 writes."""
+        """Write every rank's comm trace to ``path`` as one Chrome trace / Perfetto JSON (every rank calls it)."""
         torch_extras.export_trace(self, path)
 
     def sync_report(self) -> Any:

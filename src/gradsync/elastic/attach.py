@@ -58,11 +58,7 @@ def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60
 def refusals(config: Any, *, delayed: bool) -> list[str]:
     """What elastic membership cannot recover exactly with this configuration."""
     found = [
-        ("gradient_as_bucket_view=True", config.gradient_as_bucket_view),  # .grad is the bucket a failure half-reduced
-        ("reduce_dtype", config.reduce_dtype is not None),  # the window lives in the buckets
         ("ShardedDataParallel", config.sharded),
-        ("static_graph=True", config.static_graph),
-        ('bucket_cap_mb="auto"', config.auto_bucket_cap),  # its choice is broadcast after a synced backward
         ("delay_all_reduce_named_params", delayed),
     ]
     return [name for name, present in found if present]
@@ -107,10 +103,6 @@ def followed(model: Any) -> bool:
 def on_accumulator(acc: Any) -> None:
     if process.state.replica is None or not followed(acc.model):
         return
-    if acc.sync_each_batch:
-        raise ValueError("gradsync: sync_each_batch=True with elastic membership: a replica that dies mid-window "
-                         "leaves its synced micro-steps in the survivors' gradients, so the window could not be "
-                         "the exact mean over what the survivors kept. Use sync_each_batch=False")
     process.state.replica.window_source = weakref.WeakMethod(acc.window_position)  # names events' windows
 
 

@@ -112,13 +112,14 @@ class ElasticSampler:
             current, window = current - gone, window + 1
 
     def _note_losses(self, m: Any) -> None:
-        """The replicas that left in a window lost the micro-batches dealt to them there."""
+        """The replicas that left in a window lost the micro-batches dealt to them there and not synced."""
         if m is None:
             return
         for event in m.events:
             if event.generation > self.seen_generation and event.left:
                 dealt = self.deals.get(event.window, {})
-                self.lost += [(event.window, r, [i for mb in dealt.get(r, []) for i in mb]) for r in event.left]
+                self.lost += [(event.window, r, [i for mb in dealt.get(r, [])[event.committed:] for i in mb])
+                              for r in event.left]
         self.seen_generation = max([e.generation for e in m.events], default=self.seen_generation)
 
 

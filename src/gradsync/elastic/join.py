@@ -100,7 +100,8 @@ def state_of(m: Any, acc: Any, reducer: Any) -> dict[str, Any]:
     return {"accumulator": acc.state_dict(), "optimizers": [o.state_dict() for o in acc.wrapped_optimizers],
             "schedulers": [s.state_dict() for s in acc.wrapped_schedulers],
             "registered": {name: obj.state_dict() for name, obj in m.registered.items()},
-            "counters": reducer.attached.progress(), "events": list(m.events), "joins_seen": m.joins_seen}
+            "counters": reducer.attached.progress(), "layout": reducer.attached.layout_state(),
+            "events": list(m.events), "joins_seen": m.joins_seen}
 
 
 def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
@@ -117,6 +118,7 @@ def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
                                   "replica did not, before its first window")
         m.registered[name].load_state_dict(sd)
     reducer.attached.load_progress(state["counters"])
+    reducer.attached.load_layout(state["layout"])
     m.events, m.joins_seen = list(state["events"]), state["joins_seen"]
 
 

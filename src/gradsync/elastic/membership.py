@@ -48,8 +48,9 @@ class MembershipEvent:
     window: int  # the accumulator's window (0-based) whose reduction it re-formed; else the synced backward
     left: list[int]
     joined: list[int]
-    micro_steps_lost: int  # the micro-steps of that window the replicas that left were to run
+    micro_steps_lost: int  # the micro-steps of that window the replicas that left were to run, not synced
     seconds: float  # from the failure seen here to the new group
+    committed: int = 0  # micro-steps of that window each of them had synced (sync_each_batch): kept
 
 
 class StoreMembership:
@@ -179,7 +180,7 @@ class StoreMembership:
 
     def reform(self, failure: BaseException, sync: int) -> dist.ProcessGroup:
         source = self.window_source() if self.window_source is not None else None
-        window = source() if source is not None else None  # (windows started, micro-steps planned)
+        window = source() if source is not None else None  # (windows started, micro-steps planned, synced)
         start = self._failed_at or time.monotonic()
         if self.store.compare_set(self.key(f"decision/{sync}"), "", "abort") == b"commit":
             raise SyncError(f"gradsync: synced backward {sync} committed on every member, yet this member "
@@ -203,9 +204,10 @@ class StoreMembership:
             except (RuntimeError, dist.DistError) as exc:  # connecting the new group failed
                 failure, g = exc, g + 1
         left = [m for m in before if m not in self.members]
-        lost = len(left) * (window[1] if window else 1)
+        lost = len(left) * (window[1] - window[2] if window else 1)
         event = MembershipEvent(generation=g, window=window[0] - 1 if window else sync, left=left, joined=[],
-                                micro_steps_lost=lost, seconds=self.slowest(time.monotonic() - start))
+                                micro_steps_lost=lost, committed=window[2] if window else 0,
+                                seconds=self.slowest(time.monotonic() - start))
         self.events.append(event)
         self._failed_at = None
         log.warning("gradsync.elastic: generation %d: replica(s) %s left in window %d (%d micro-steps lost); "

@@ -8,7 +8,9 @@ its first gradient to the end of its write-back: that span holds everything the 
 (CPU), what communication costs the backward itself. A model of the link alone misses that last
 part: one fit to the same traces chose 4 MiB buckets for gpt-12M, which measured slower than 25
 (``benchmarks/results/speed-auto-cap-link-model-2cpu-2026-11-25.md``). The times are all-reduced with MAX (the slowest
-rank sets the step), so every rank makes the same choice, and re-plans one last time.
+rank sets the step) inside the next synced backward, before its commit (``gather``: a commit protocol
+that re-forms the group gathers again among the survivors), so every rank makes the same choice at that
+commit, and re-plans one last time.
 
 The choice keeps torch's default 25 MiB unless a candidate beat it in every round and by more
 than ``TIE`` at the median: on a shared CPU the candidates often differ by less than the noise of
@@ -130,6 +132,8 @@ class AutoCaps:
         self.times: dict[float, list[float]] = {}
         self.records: dict[float, list[dict]] = {}  # cap -> the traced synced backwards timed with it
         self.choice: BucketChoice | None = None
+        self.due = False  # the schedule is done: the next synced backward gathers the timings (gather)
+        self.gathered: list[float] | None = None
         self._own_trace = False
         self._start()
 
@@ -167,11 +171,13 @@ class AutoCaps:
         if self.reducer.trace is None:  # switched off meanwhile: trace the next ones
             self._own_trace = False
             self._start()
-        if self.schedule:
+        if self.gathered is not None:
+            self._decide(self.gathered)
+        elif self.schedule:
             self.current = self.schedule.pop(0)
             self._apply(self.current)
-        else:
-            self._agree()
+        else:  # the next synced backward gathers every rank's timings before its commit (gather)
+            self.due = True
 
     def _link_model(self, caps: list[float]) -> list[float]:
         """This rank's link model: [latency s, s per byte, whole gradient's link s, gradient span s,
@@ -195,16 +201,21 @@ class AutoCaps:
         return [latency, 1.0 / bandwidth, whole, span,
                 *(predict_end(self.layouts[c], ready, nbytes, latency, bandwidth) for c in caps)]
 
-    def _agree(self) -> None:
+    def gather(self) -> None:
+        """Inside the synced backward after the last timed one, before its commit: every rank's timings,
+        MAX over the ranks. A commit protocol that re-forms the group reduces, and gathers, again."""
         reducer, caps = self.reducer, list(self.layouts)
-        # a round this rank did not time (it shadowed that backward) counts 0: other ranks timed it
-        rows = [(self.times[c] + [0.0] * ROUNDS)[:ROUNDS] for c in caps]
+        # a round this rank did not time (it shadowed that backward, or joined later) counts 0: others timed it
+        rows = [([0.0] * ROUNDS + self.times[c])[-ROUNDS:] for c in caps]
         link = self._link_model(caps)
         shared = torch.tensor([v for row in rows for v in row] + link, dtype=torch.float64, device=reducer.plane.device)
         if reducer.world_size > 1:  # MAX is exact in any order: every rank gets the same numbers
             reducer.wait(dist.all_reduce(shared, op=dist.ReduceOp.MAX, group=reducer.plane.group, async_op=True),
                          "the automatic bucket cap's timings")
-        values = shared.tolist()
+        self.gathered = shared.tolist()
+
+    def _decide(self, values: list[float]) -> None:
+        caps = list(self.layouts)
         rounds = {c: [1e3 * t for t in values[k * ROUNDS:(k + 1) * ROUNDS]] for k, c in enumerate(caps)}
         latency, per_byte, whole, span, *ends = values[len(caps) * ROUNDS:]
         bound = per_byte > 0 and whole > LINK_BOUND * span
@@ -228,10 +239,28 @@ class AutoCaps:
     def resume(self, bucket_cap_mb: float, first_bucket_cap_mb: float) -> tuple[float, float]:
         """Take caps chosen before (an interrupted run's gradient state); return them for the re-plan."""
         self.choice = BucketChoice(bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb, rule="resumed")
-        self.schedule, self.times, self.records = [], {}, {}
+        self.schedule, self.times, self.records, self.due, self.gathered = [], {}, {}, False, None
         if self._own_trace:
             self.reducer.trace, self._own_trace = None, False
         return bucket_cap_mb, first_bucket_cap_mb
+
+    def state(self) -> dict:
+        """Where the members are: a replica that joins takes part from here (its missing rounds count 0)."""
+        return {"choice": None if self.choice is None else (self.choice.bucket_cap_mb, self.choice.first_bucket_cap_mb),
+                "planned": self.layouts is not None, "schedule": list(self.schedule), "current": self.current,
+                "rounds": {c: len(t) for c, t in self.times.items()}, "due": self.due}
+
+    def load_state(self, state: dict) -> None:
+        if state["choice"] is not None:
+            self.resume(*state["choice"])
+            return
+        if state["planned"]:
+            order = self._order()
+            self.layouts = distinct_layouts(self.reducer.params, order, self.first_bucket_cap_mb)
+            self.default = default_cap(self.layouts, self.reducer.params, order, self.first_bucket_cap_mb)
+            self.records = {c: [] for c in self.layouts}
+        self.schedule, self.current, self.due = list(state["schedule"]), state["current"], state["due"]
+        self.times = {c: [0.0] * n for c, n in state["rounds"].items()}
 
     def finish(self, choice: BucketChoice) -> None:
         """Re-plan the buckets with ``choice``; tracing for this ends."""
@@ -248,8 +277,8 @@ class AutoCaps:
 
 
 def syncs_to_choose(candidates: int) -> int:
-    """Synced backwards before the choice: the one that re-plans the order, then the schedule."""
-    return 1 + ROUNDS * candidates if candidates > 1 else 1
+    """Synced backwards before the choice: the one that re-plans the order, the schedule, the one that gathers."""
+    return 2 + ROUNDS * candidates if candidates > 1 else 1
 
 
 def check_auto_cap_hook_state(auto: AutoCaps | None, state) -> None:

@@ -22,6 +22,13 @@ class Bucket:
     undivided: list[torch.Tensor] = field(default_factory=list)
     times: dict[str, float] = field(default_factory=dict)  # the comm trace's timestamps
     large: frozenset[int] = frozenset()  # positions of members of SMALL_SLOT elements or more
+    # BucketStore.keep_window_apart: the collective reduces this copy, so ``buffer`` (the window) survives it
+    wire: torch.Tensor | None = None
+    wire_views: list[torch.Tensor] = field(default_factory=list)
+
+    def add_wire(self) -> None:
+        self.wire = wire = torch.empty_like(self.buffer)
+        self.wire_views = [wire[v.storage_offset():v.storage_offset() + v.numel()].view(v.shape) for v in self.views]
 
 
 # A gradient of fewer elements is copied into its slot and divided with the bucket's other small slots

@@ -108,8 +108,11 @@ class BucketLauncher:
         if traced:
             bucket.times["launch"] = time.perf_counter()
         previous = buckets[bucket.index - 1].handle if bucket.index else None
-        bucket.handle = self.issue(bucket.index, bucket.buffer, bucket.views, bucket.members, previous,
-                                   bucket.index == len(buckets) - 1)
+        buffer, views = bucket.buffer, bucket.views
+        if bucket.wire is not None:  # the window stays in the buffer: reduce its average's copy (keep_window_apart)
+            buffer, views = bucket.wire, bucket.wire_views
+            torch.div(bucket.buffer, self.group.size(), out=buffer) if self.divides_on_copy else buffer.copy_(bucket.buffer)
+        bucket.handle = self.issue(bucket.index, buffer, views, bucket.members, previous, bucket.index == len(buckets) - 1)
         if traced:
             fut = bucket.handle if isinstance(bucket.handle, Future) else bucket.handle.get_future()
             times = bucket.times
@@ -156,7 +159,7 @@ class BucketLauncher:
         handle = bucket.handle
         self.plane.wait(handle, f"bucket {bucket.index}")
         if not isinstance(handle, Future):
-            return bucket.buffer
+            return bucket.buffer if bucket.wire is None else bucket.wire
         result = handle.value()
         if isinstance(result, (list, tuple)) and len(result) == 1:
             result = result[0]

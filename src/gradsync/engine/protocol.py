@@ -12,8 +12,9 @@ agrees. A feature whose peers may leave mid-reduction (``gradsync.elastic``) att
   reduction; after a failure or a vote that is not unanimous, ``protocol.reform`` returns the survivors'
   group and the reducer reduces the same window again in it (``reduce_until_committed``).
 
-A store keeps the window apart from a reduction in flight where it can (``BucketStore.keeps_local_grads``);
-a feature refuses what cannot be rolled back (``elastic/attach.py``).
+The store keeps the window apart from a reduction in flight (``BucketStore.keep_window_apart``: with
+gradient views or ``reduce_dtype``, a staged copy of each bucket is reduced); a feature refuses what
+cannot be rolled back (``elastic/attach.py``).
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ def attach(reducer: Any, protocol: CommitProtocol, on_regroup: Callable[[dist.Pr
     reducer.attached = Attachment(reducer, protocol, on_regroup)
     reducer.plane.protocol = protocol
     reducer.layout.keep_registration_order()  # its re-plan broadcast could complete on some members only
+    reducer.store.keep_window_apart()  # a failed reduction must leave each member's window whole
 
 
 class Attachment:
@@ -109,6 +111,17 @@ class Attachment:
         c = self.reducer.counters
         c.forward, c.backward, c.sync = progress
         self.reducer.pending_forwards = 0
+
+    def layout_state(self) -> dict:
+        """The bucket caps in use and ``bucket_cap_mb="auto"``'s progress: a replica that joins lays out the same."""
+        auto = self.reducer.auto_caps
+        return {"caps": self.reducer.store.caps, "auto": auto.state() if auto is not None else None}
+
+    def load_layout(self, state: dict) -> None:
+        r = self.reducer
+        if r.auto_caps is not None and state["auto"] is not None:
+            r.auto_caps.load_state(state["auto"])
+        r.layout.replan(r.store.plan_order or list(range(len(r.params) - 1, -1, -1)), tuple(state["caps"]))
 
 
 __all__ = ["Attachment", "CommitProtocol", "attach"]

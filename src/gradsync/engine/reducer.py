@@ -244,13 +244,11 @@ class Reducer:
         self.start_grad_sync()
         if self.attached is not None and self.attached.broken is not None:
             raise self.attached.broken
-        used = self.window_used if self.tracks_graph else [True] * n if failed else it.hooked
-        ready = it.t_ready or time.perf_counter()
+        used, ready = self.window_used if self.tracks_graph else [True] * n if failed else it.hooked, it.t_ready or time.perf_counter()
         self.launcher.before_control([b.handle for b in store.buckets])
-        control = self.plane.send_control(used, failed, telemetry.local_norm2(self) if self.measure_norm else None)
-        results = None  # the control is in flight beside the buckets: its latency hides behind theirs
-        if self.bucket_reduced is not None:  # overlap_optimizer: write back and step bucket by bucket
-            store.write_back_as_reduced(self.launcher, self.world_size, self.finite_check, self.bucket_done)
+        control = self.plane.send_control(used, failed, telemetry.local_norm2(self) if self.measure_norm else None)  # in flight beside them
+        if self.bucket_reduced is not None and self.attached is None:  # overlap_optimizer: step bucket by bucket
+            results = store.write_back_as_reduced(self.launcher, self.world_size, self.finite_check, self.bucket_done)
         else:  # every bucket's, or a skipped one's own buffer (unused.py, only when enabled: off the trip)
             results = self.skips.results(self.launcher, store.buckets) if self.skips.enabled else [
                 self.launcher.result(b) for b in store.buckets]
@@ -271,11 +269,13 @@ class Reducer:
             raise self.expected.missing_error(missing, self.names, self.rank)
         if not self.tracks_graph:
             verdict.check_missing(self.names)
+        if self.auto_caps is not None and self.auto_caps.due:  # every rank's timings, once, before the commit
+            self.auto_caps.gather()
         return results, verdict.counts, it.record
 
     def commit(self, results: list[Any] | None, counts: list[int], record: dict | None) -> None:
         """Write every bucket's average back and close the synced backward."""
-        self.store.end_sync(results, counts)
+        self.store.end_sync(results, counts, self.bucket_done if self.bucket_reduced is not None else None)
         if record is not None:
             telemetry.record_trace(self.trace, record, self.store)
             self.it.record = None

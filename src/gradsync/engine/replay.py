@@ -11,8 +11,9 @@ nothing partial leaks into the reduction. A backward that failed part-way while 
 launched buckets holding partial gradients: the rank sends the rest anyway and flags itself in the
 end-of-backward control, and every rank then reduces its local window again, the failed rank
 with nothing (``reduce_again_without``: one more round of bucket collectives, only then). That
-needs each rank's window apart from its buckets: not with gradient views, ``reduce_dtype``,
-sharding or ``overlap_optimizer``, where every rank raises ``SyncError`` instead.
+needs each rank's window apart from its buckets: with gradient views or ``reduce_dtype`` the buckets
+reduce staged copies once the accumulator has ``skip_on`` (``BucketStore.keep_window_apart``); with
+sharding or ``overlap_optimizer`` every rank raises ``SyncError`` instead.
 """
 from __future__ import annotations
 
@@ -113,9 +114,8 @@ def reduce_again_without(r: Any, flags: dict[int, int]) -> list[Any]:
     if r.bucket_reduced is not None or not store.keeps_local_grads:
         raise SyncError(
             f"gradsync: rank(s) {failed} failed part-way through synced backward {r.sync_count}, after "
-            "sending some of their buckets. With gradient_as_bucket_view, reduce_dtype, ShardedDataParallel or "
-            "overlap_optimizer a rank's window is not kept apart from its buckets, so it cannot be reduced "
-            "again without the failed rank. No gradient was written back: call optimizer.zero_grad() and run "
+            "sending some of their buckets. With ShardedDataParallel or overlap_optimizer a rank's window is "
+            "not kept apart from its buckets, so it cannot be reduced again without the failed rank. No gradient was written back: call optimizer.zero_grad() and run "
             "the window again (or skip only failures before the window's last backward).")
     if r.rank in failed:
         store.drop_local()

@@ -35,6 +35,8 @@ def shadow_backward(reducer: Reducer) -> None:
             "ran a different sequence of collectives (a forward with gradients enabled must be "
             "followed by exactly one backward inside model.join())"
         )
+    if reducer.auto_caps is not None and reducer.auto_caps.due:  # as the active ranks, before their commit
+        reducer.auto_caps.gather()
     reducer.counters.sync += 1  # it took part in the active ranks' synced backward:
     reducer.layout.after_sync(None, shadowed=True)  # re-plans, and times "auto"'s candidates, as the others do
 

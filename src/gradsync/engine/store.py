@@ -32,10 +32,10 @@ class BucketStore:
     keeps_local_per_grad = property(lambda self: self.main is not None)
     # a local .grad not its slot is copied in (local_ready, per bucket); reduce_dtype's slots take it per gradient
     adopts_views = property(lambda self: self.grad_as_view and self.main is None)
-    # the window's local gradients survive a reduction (not views of the buckets, nor their slots)
-    keeps_local_grads = property(lambda self: not self.grad_as_view and self.main is None)
-    sharded = False
-    exclusive = False  # True: only the store's own optimizer may step its parameters (guard.py)
+    # the window's local gradients survive a reduction (not views of the buckets, nor their slots, or kept apart)
+    keeps_local_grads = property(lambda self: self.apart or (not self.grad_as_view and self.main is None))
+    apart = False  # keep_window_apart(): every bucket reduces a staged copy of itself
+    sharded, exclusive = False, False  # exclusive: only the store's own optimizer may step its parameters (guard.py)
 
     def __init__(self, params: list[torch.Tensor], names: list[str], *, world_size: int, caps: Caps,
                  reduce_dtype: torch.dtype | None = None, gradient_as_bucket_view: bool = False):
@@ -69,6 +69,8 @@ class BucketStore:
                 self.bucket_of[i] = b
             large = frozenset(k for k, view in enumerate(views) if view.numel() >= SMALL_SLOT)
             self.buckets.append(Bucket(b, list(members), buffer, views, large=large))
+            if self.apart:
+                self.buckets[-1].add_wire()
         self.view_ptrs = [v.data_ptr() for v in self.views]
         if old_views is None:
             return
@@ -79,6 +81,13 @@ class BucketStore:
                 if is_view_of(p.grad, old_views[i]):
                     self.views[i].copy_(p.grad)
                     p.grad = self.views[i]
+
+    def keep_window_apart(self) -> None:
+        """Reduce a copy of each bucket: a window kept in them (views, ``reduce_dtype``) survives a failed reduction."""
+        if not self.keeps_local_grads:
+            self.apart = True
+            for b in self.buckets:
+                b.add_wire()
 
     def slot(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s place in its bucket."""
@@ -106,8 +115,7 @@ class BucketStore:
         saves a pass over the bucket (no comm hook: the all-reduce then sums averages). Small slots
         (``SMALL_SLOT``) and slots that already are ``.grad`` are divided together once the bucket's
         last member is in: one division per bucket, the same values."""
-        grad = self.params[i].grad
-        view = self.views[i]
+        grad, view, divide = self.params[i].grad, self.views[i], divide and not self.apart  # apart: on staging
         if grad is not None and grad.requires_grad:  # backward(create_graph=True)
             warn_create_graph()
             grad = grad.detach()
@@ -134,7 +142,7 @@ class BucketStore:
     def copy_in_bucket(self, bucket: Bucket, divide: bool) -> None:
         """``copy_in`` for every member of a complete bucket, the small gradients in one call (a call per
         small tensor was most of the cost on models of many small parameters)."""
-        grads = [self.params[i].grad for i in bucket.members]
+        grads, divide = [self.params[i].grad for i in bucket.members], divide and not self.apart
         for grad, view in zip(grads, bucket.views):  # anything unusual: one member at a time, as copy_in
             if (grad is None or grad.requires_grad or grad.layout is not torch.strided or grad.dtype is not view.dtype
                     or grad.shape != view.shape):
@@ -298,10 +306,12 @@ class BucketStore:
             for b in self.buckets:
                 b.pending = len(b.members)
 
-    def end_sync(self, results: list[Any] | None, counts: list[int]) -> None:
-        """The synced backward's checks passed: write every bucket's average back."""
+    def end_sync(self, results: list[Any] | None, counts: list[int], done: Any = None) -> None:
+        """The synced backward's checks passed: write every bucket's average back, then ``done(members)``."""
         for bucket, result in zip(self.buckets, results or ()):
             self.write_back(bucket, result, counts)
+            if done is not None:  # overlap_optimizer under a commit protocol: a step only after the commit
+                done(bucket.members)
 
     def reset(self) -> None:
         """The last backward raised before its end: drop what it left in flight."""

@@ -101,7 +101,8 @@ def add_norm2(total: Any, buffer: torch.Tensor) -> torch.Tensor:
 def local_norm2(reducer: Any) -> torch.Tensor:
     """The reducer's window gradient's squared norm, from what its buckets received (undone /W)."""
     total = reducer.it.norm2 if reducer.it.norm2 is not None else torch.zeros((), device=reducer.device)
-    return total * reducer.world_size ** 2 if reducer.launcher.divides_on_copy else total
+    divided = reducer.launcher.divides_on_copy and not reducer.store.apart  # apart: the buffers are not divided
+    return total * reducer.world_size ** 2 if divided else total
 
 
 def record_report(verdict: Any, sync: int, stragglers: Stragglers | None, trace: list[dict] | None) -> SyncReport | None:

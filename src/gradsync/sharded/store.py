@@ -43,11 +43,15 @@ class ShardedBucketStore:
     replans = False  # parameters live in bucket-shaped buffers laid out at construction
     sharded = True
     keeps_local_grads = False  # copy_in releases .grad into the staging buckets
+    apart = False
     copies_per_bucket = False  # each gradient as it is ready: its .grad is released at once
     keeps_local_per_grad = True
     adopts_views = False
     exclusive = True  # only ShardedOptimizer may step these parameters (.grad is None after a sync)
     gathers = None  # ShardedOptimizer(prefetch=True)'s pending parameter all-gathers (sharded_prefetch.py)
+
+    def keep_window_apart(self) -> None:
+        """Not possible yet: ``copy_in`` releases the window into the staging buckets."""
 
     def __init__(self, params: list[torch.Tensor], names: list[str], *, rank: int, world_size: int, caps: Caps,
                  reduce_dtype: torch.dtype | None = None, pool_size: int = 6):
@@ -199,7 +203,7 @@ class ShardedBucketStore:
     begin_sync = BucketStore.begin_sync  # the same on shards: every bucket waits for its members again
     copy_in_all = BucketStore.copy_in_all
 
-    def end_sync(self, results: list[Any] | None, counts: list[int]) -> None:
+    def end_sync(self, results: list[Any] | None, counts: list[int], done: Any = None) -> None:  # done: no overlap here
         for bucket, result in zip(self.buckets, results or ()):
             self.write_back(bucket, result, counts)
         self.partial = self._partial_before  # only zero_grad() clears an earlier failure

@@ -1,0 +1,132 @@
+"""What elastic membership costs in memory per rank, for each option that keeps the window in the buckets.
+
+    python benchmarks/elastic/memory.py            # writes results/elastic-memory-<N>cpu-<date>.md
+    python benchmarks/elastic/memory.py --quick    # a small model, prints the table, writes nothing
+
+Each row is one job, ``gradsync run --replicas 3`` of this file (``--worker``): a 25.2M-parameter MLP
+(6 x Linear(2048, 2048)), windows of 2 micro-steps, plain SGD (no optimizer state), 3 windows. The
+same model is built on the elastic group (it follows membership) or with ``process_group=`` (it does
+not). With gradient views or ``reduce_dtype`` an elastic model reduces a staged copy of each bucket,
+so that a reduction that fails part-way leaves the window whole (``BucketStore.keep_window_apart``):
+that copy is the price. Per replica we report the peak RSS above its RSS before the model was built
+(glibc returns every allocation of 1 MiB or more to the OS, so RSS follows live tensors) and the
+bytes of gradient memory the model holds (buckets, staged copies, ``.grad`` apart from them).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from gradsync.tools.bench.harness import RESULTS, machine_info, record_stem
+
+MiB = 1 << 20
+CONFIGS = {  # name -> (dtype, DDP options, elastic)
+    "fp32": ("float32", {}, False),
+    "fp32, elastic": ("float32", {}, True),
+    "fp32, gradient_as_bucket_view": ("float32", {"gradient_as_bucket_view": True}, False),
+    "fp32, gradient_as_bucket_view, elastic": ("float32", {"gradient_as_bucket_view": True}, True),
+    "bf16, reduce_dtype=float32": ("bfloat16", {"reduce_dtype": "float32"}, False),
+    "bf16, reduce_dtype=float32, elastic": ("bfloat16", {"reduce_dtype": "float32"}, True),
+}
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import gradsync
+    from gradsync.tools.bench.measure import reset_peak_rss, status_kib
+
+    dtype, options, elastic = CONFIGS[args.config]
+    options = {k: getattr(torch, v) if k == "reduce_dtype" else v for k, v in options.items()}
+    gradsync.elastic.init_process_group("gloo", timeout=60)
+    torch.set_num_threads(1)
+    reset_peak_rss()
+    base = status_kib("VmRSS")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(*[m for _ in range(args.depth) for m in (torch.nn.Linear(args.width, args.width),
+                                                                        torch.nn.Tanh())]).to(getattr(torch, dtype))
+    model = gradsync.DistributedDataParallel(net, **options, **({} if elastic else {"process_group": dist.group.WORLD}))
+    acc = gradsync.GradientAccumulator(model, steps=2)
+    optimizer = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+    for _ in range(3 * 2):
+        with acc.accumulate():
+            x = torch.randn(8, args.width, dtype=net[0].weight.dtype)
+            acc.backward(model(x).float().square().mean())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)  # .grad stays allocated: the steady state of a long run
+    store = model.reducer.store
+    in_buckets = {b.buffer.untyped_storage().data_ptr() for b in store.buckets}
+    grads = sum(t.numel() * t.element_size() for t in store.grad_tensors()
+                if t.untyped_storage().data_ptr() not in in_buckets)
+    record = {"config": args.config, "elastic": bool(model.reducer.attached), "params": sum(p.numel() for p in net.parameters()),
+              "peak_mib": (status_kib("VmHWM") - base) / 1024,
+              "buckets_mib": sum(b.buffer.numel() * b.buffer.element_size() for b in store.buckets) / MiB,
+              "staged_mib": sum(b.wire.numel() * b.wire.element_size() for b in store.buckets if b.wire is not None) / MiB,
+              "grad_mib": grads / MiB}
+    Path(args.out, f"{os.environ['GRADSYNC_REPLICA_ID']}.json").write_text(json.dumps(record))
+
+
+def job(config: str, width: int, depth: int) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out:
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_=str(1 << 20))  # before the replicas' C library starts
+        argv = [sys.executable, "-m", "gradsync.tools.cli", "run", "--replicas", "3", __file__, "--worker",
+                "--config", config, "--width", str(width), "--depth", str(depth), "--out", out]
+        done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"{config}: gradsync run failed:\n{done.stderr[-3000:]}")
+        return [json.loads(p.read_text()) for p in sorted(Path(out).glob("*.json"))]
+
+
+def table(rows: list[list[dict]]) -> str:
+    lines = ["| configuration | follows membership | peak RSS above the model's start, MiB (3 replicas) | "
+             "buckets MiB | staged copies MiB | .grad apart MiB |", "|---|---|---|---|---|---|"]
+    for replicas in rows:
+        r = replicas[0]
+        peaks = ", ".join(f"{x['peak_mib']:.0f}" for x in replicas)
+        lines.append(f"| {r['config']} | {'yes' if r['elastic'] else 'no'} | {peaks} | {r['buckets_mib']:.1f} | "
+                     f"{r['staged_mib']:.1f} | {r['grad_mib']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--worker", action="store_true")
+    parser.add_argument("--config", default="fp32")
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--only", action="append", choices=list(CONFIGS), help="run these rows only")
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return
+    width, depth = (256, 2) if args.quick else (args.width, args.depth)
+    rows = [job(config, width, depth) for config in args.only or CONFIGS]
+    text = table(rows)
+    print(text)
+    if args.quick:
+        return
+    info = machine_info()
+    stem = record_stem("elastic-memory")
+    params = rows[0][0]["params"]
+    Path(args.out, f"{stem}.md").write_text(
+        f"# Elastic membership: memory per rank\n\n`python benchmarks/elastic/memory.py`, {info.get('cpu', '')}: "
+        f"{params / 1e6:.1f}M parameters, 3 replicas (`gradsync run`), windows of 2 micro-steps, plain SGD, "
+        "`zero_grad(set_to_none=False)`. Peak RSS per replica above its RSS before the model was built (the model's "
+        "parameters are in it); the other columns are the gradient memory the model holds, counted from its "
+        "tensors.\n\n" + text + "\n\nThe staged copies are what an elastic model with gradient views or "
+        "`reduce_dtype` adds: one copy of the gradients in the reduction dtype, so that a reduction that fails "
+        "part-way leaves each member's window whole. Without those options `.grad` already lives apart from the "
+        "buckets and elastic membership adds nothing.\n")
+    print(f"wrote {Path(args.out, stem + '.md')}")
+
+
+if __name__ == "__main__":
+    main()
