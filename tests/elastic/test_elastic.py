@@ -4,6 +4,7 @@ Every survivor must finish the run with parameters bit-identical to the other su
 (1e-5) to one process trained on exactly the micro-batches that were kept: the dead replica's
 micro-steps count up to the window whose reduction it did not commit, none after.
 """
+import contextlib
 import time
 import subprocess
 import sys
@@ -396,6 +397,42 @@ def test_sampler_global_batch_follows_a_shrink_and_a_join(tmp_path):
     assert [tuple(x) for x in first["lost"]] == [tuple(x) for x in want_lost] and len(lost) == 8
     for got, ref in zip(first["params"], want):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def one_process_deterministic(rank, world_size, events, n, global_batch):
+    """gradsync's deterministic=True on one rank, window by window on the micro-batches that were kept (dealt in
+    blocks: rank j // k runs micro-batch j), each loss / (micro-batches kept): the tree of the window's leaves."""
+    import gradsync
+    net, (xs, ys) = build_model(), dataset(n)
+    model = gradsync.DistributedDataParallel(net, deterministic=True)
+    optimizer = make_optimizer(model.parameters())
+    order, offset, w = ElasticSampler(n, micro_batch=4, global_batch=global_batch, seed=3).order(0), 0, 0
+    while offset + global_batch <= n:
+        dealt = deal(order[offset:offset + global_batch], 4, dealt_to(events, w), blocks=True)
+        gone = {r for e in events if e["window"] == w for r in e["left"]}
+        kept = [mb for r, mbs in dealt.items() if r not in gone for mb in mbs]
+        optimizer.zero_grad()
+        for i, mb in enumerate(kept):
+            with model.no_sync() if i < len(kept) - 1 else contextlib.nullcontext():
+                (torch.nn.functional.mse_loss(model(xs[mb]), ys[mb]) / len(kept)).backward()
+        optimizer.step()
+        offset, w = offset + global_batch, w + 1
+    return [p.detach() for p in net.parameters()]
+
+
+def test_deterministic_survivor_equals_one_process_on_what_was_kept_bit_for_bit(tmp_path):
+    """deterministic=True with ElasticSampler(global_batch=16): 4 micro-batches a window, in blocks of 2 on
+    2 replicas. Replica 1 dies at window 2's commit vote; the survivor runs all 4 from window 3 on. Its
+    parameters equal, bit for bit, gradsync's deterministic run on one rank of exactly what was kept."""
+    n, gb = 160, 16
+    proc = launch(tmp_path, "--sampler", str(n), "--global-batch", str(gb), "--victim", "1", "--window", "2",
+                  "--point", "after_reductions", "--ddp", "deterministic=True", replicas=2, min_replicas=1)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (first,) = survivors(tmp_path).values()
+    assert [(e["window"], e["left"]) for e in first["events"]] == [(2, [1])]
+    from gradsync.tools.launch import run_ranks
+    (want,) = run_ranks(one_process_deterministic, 1, first["events"], n, gb)
+    assert all(torch.equal(got, ref) for got, ref in zip(first["params"], want))
 
 
 def test_sampler_uneven_micro_steps_without_a_failure(tmp_path):

@@ -65,6 +65,12 @@ def watch(reducer: Any) -> None:
         install(reducer)  # now, not at the first local backward: a step's closure may run that
 
 
+def release(reducer: Any) -> None:
+    """The wrapper is gone or superseded: no hooks left behind, its parameters train locally."""
+    reducer.remove_hooks()
+    forget(reducer)
+
+
 def forget(reducer: Any) -> None:
     """The wrapper is gone: its parameters train locally from now on."""
     reducer.unsynced = False
@@ -149,4 +155,4 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
                 "(or call optimizer.zero_grad() to discard those gradients).")
 
 
-__all__ = ["forget", "install", "watch"]
+__all__ = ["forget", "install", "release", "watch"]

@@ -38,6 +38,10 @@ class DDPJoinHook(JoinHook):
             raise NotImplementedError(
                 "gradsync: join() does not shadow the delayed all-reduce of "
                 "delay_all_reduce_named_params; give every rank the same number of batches")
+        if ddp.reducer.config.deterministic:  # a joined rank's zeros would be leaves of the tree, and change it
+            raise NotImplementedError(
+                "gradsync: join() with deterministic=True is not supported: the window's tree is over every global "
+                "micro-batch, dealt rank j // k; give every rank the same number of micro-batches")
         self.ddp = ddp
         self.last_active = list(range(ddp.world_size))  # ranks active in the latest handshake with any
         self.expect_sync: bool | None = None

@@ -46,7 +46,7 @@ def resolve(wrapper: type, module: nn.Module, *, refuse: tuple[type, ...], devic
             param_to_hook_all_reduce: Any, mixed_precision: Any, device_mesh: Any,
             skip_all_reduce_unused_params: bool, bucket_cap_mb_list: Any, forward_sync_buffers: Any,
             first_bucket_cap_mb: Any, timeout: Any, check_finite: bool, reduce_dtype: Any,
-            straggler_warning: bool, sharded: bool, check_replicas: bool = False) -> Resolved:
+            straggler_warning: bool, sharded: bool, check_replicas: bool = False, deterministic: bool = False) -> Resolved:
     """Check and resolve a wrapper's constructor keywords (``wrapper`` is the class being built; a module
     that already is a ``refuse`` wrapper is refused)."""
     if mixed_precision is not None:
@@ -82,7 +82,7 @@ def resolve(wrapper: type, module: nn.Module, *, refuse: tuple[type, ...], devic
         timeout=resolve_timeout(timeout, group, device),
         reduce_dtype=resolve_reduce_dtype(reduce_dtype, [p for _, p in trainable]), check_finite=check_finite,
         sharded=sharded, straggler_warning=bool(straggler_warning), wrapper_name=wrapper.__name__,
-        check_replicas=check_replicas)
+        check_replicas=check_replicas, deterministic=bool(deterministic))
     return Resolved(process_group=group, device_ids=ids, output_device=output, forward_sync_buffers=forward_sync,
                     init_sync_buffers=init_sync, reduced=reduced, delayed=delayed, device=device, config=config)
 

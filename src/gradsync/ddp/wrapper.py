@@ -30,6 +30,7 @@ from . import guard, torch_extras
 from .compile import active_ddp, bucket_bytes_caps, skip_wrapper_frames
 from .construct import broadcast_coalesced, check_comm_hook, check_group, claim, initial_wait, verify_same_model
 from .delay import DelayedAllReduce
+from ..deterministic import ordered_parts
 from .grad_state import grad_state, load_grad_state
 from .join import DDPJoinHook, Join
 from .options import resolve
@@ -46,7 +47,8 @@ class DistributedDataParallel(nn.Module, Joinable):
     ``check_finite`` (raise ``FloatingPointError`` naming the parameters whose reduced gradient is not
     finite, before writing back), ``reduce_dtype`` (accumulate and reduce in that dtype: ``param.main_grad``
     is the average, ``.grad`` its copy in the parameter's dtype), ``straggler_warning``, ``check_replicas``
-    (docs/replicas.md) and ``bucket_cap_mb="auto"``. docs/differences.md lists every difference from torch's DDP.
+    (docs/replicas.md), ``deterministic`` (the same gradient bits for any power-of-two world size:
+    docs/deterministic.md) and ``bucket_cap_mb="auto"``. docs/differences.md lists every difference from torch's DDP.
     """
 
     sharded = False  # ShardedDataParallel: gradient shards (refusals in config.py, parts in make_reducer)
@@ -63,7 +65,8 @@ class DistributedDataParallel(nn.Module, Joinable):
                  bucket_cap_mb_list: Sequence[float] | None = None, batched_grad_copy: bool = False,
                  forward_sync_buffers: bool | None = None, *, first_bucket_cap_mb: float | None = None,
                  timeout: timedelta | float | None = None, check_finite: bool = False,
-                 reduce_dtype: torch.dtype | None = None, straggler_warning: bool = True, check_replicas: bool = False):
+                 reduce_dtype: torch.dtype | None = None, straggler_warning: bool = True, check_replicas: bool = False,
+                 deterministic: bool = False):
         super().__init__()
         Joinable.__init__(self)
         options = resolve(  # every refusal comes here, before the first collective (verify_same_model)
@@ -75,7 +78,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             mixed_precision=mixed_precision, device_mesh=device_mesh, bucket_cap_mb_list=bucket_cap_mb_list,
             skip_all_reduce_unused_params=skip_all_reduce_unused_params, forward_sync_buffers=forward_sync_buffers,
             first_bucket_cap_mb=first_bucket_cap_mb, timeout=timeout, check_finite=check_finite,
-            reduce_dtype=reduce_dtype, straggler_warning=straggler_warning, sharded=self.sharded, check_replicas=check_replicas)
+            reduce_dtype=reduce_dtype, straggler_warning=straggler_warning, sharded=self.sharded, check_replicas=check_replicas,
+            deterministic=deterministic)
         self.process_group, self.device_ids, self.output_device = options.process_group, options.device_ids, options.output_device
         if device_mesh is not None:
             self.device_mesh = device_mesh
@@ -99,14 +103,15 @@ class DistributedDataParallel(nn.Module, Joinable):
         process.announce("wrapper", self, process_group is None and device_mesh is None)
 
     def make_reducer(self, params: list[nn.Parameter], names: list[str], config: ReducerConfig) -> Reducer:
-        return Reducer(params, names, self.process_group, config, switch=self)  # sharded plugs in its parts
+        parts = ordered_parts(params, names, self.process_group, config) if config.deterministic else {}
+        return Reducer(params, names, self.process_group, config, switch=self, **parts)  # sharded plugs in its parts
 
     def build_reducer(self, config: ReducerConfig) -> None:
         named = dict(self.module.named_parameters())
         params = [named[n] for n in self.reduced_names]
         self.reducer = reducer = self.make_reducer(params, list(self.reduced_names), config)
         guard.watch(reducer)
-        weakref.finalize(self, _release, reducer)  # a deleted wrapper leaves no hooks behind
+        weakref.finalize(self, guard.release, reducer)  # a deleted wrapper leaves no hooks behind
         self.join_state: DDPJoinHook | None = None  # set by join_hook() while a join is configured
         self.delayed = None
         if self.delayed_names:
@@ -194,7 +199,7 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def supersede(self) -> None:
         """A newer wrapper took over the parameters: release them and refuse to run."""
-        _release(self.reducer)
+        guard.release(self.reducer)
         if self.delayed is not None:
             self.delayed.remove()
         self.superseded = True
@@ -319,11 +324,6 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         return torch_extras.logging_data(self)
-
-
-def _release(reducer: Reducer) -> None:  # the wrapper is gone or superseded: its parameters train locally
-    reducer.remove_hooks()
-    guard.forget(reducer)
 
 
 DDP = DistributedDataParallel

@@ -19,9 +19,13 @@ import torch.distributed as dist
 from .. import process
 
 
-def deal(chunk: list[int], micro_batch: int, members: list[int]) -> dict[int, list[list[int]]]:
-    """Split ``chunk`` into micro-batches of ``micro_batch`` samples; micro-batch j goes to members[j % M]."""
+def deal(chunk: list[int], micro_batch: int, members: list[int], blocks: bool = False) -> dict[int, list[list[int]]]:
+    """Split ``chunk`` into micro-batches of ``micro_batch`` samples; micro-batch j goes to members[j % M], or
+    with ``blocks`` (a ``deterministic=True`` model) to members[j // k], k = ceil(micro-batches / M)."""
     micro = [chunk[i:i + micro_batch] for i in range(0, len(chunk), micro_batch)]
+    if blocks:
+        k = -(-len(micro) // len(members))
+        return {m: micro[i * k:(i + 1) * k] for i, m in enumerate(members)}
     return {m: micro[i::len(members)] for i, m in enumerate(members)}
 
 
@@ -43,7 +47,7 @@ class ElasticSampler:
             raise ValueError(f"gradsync: global_batch={global_batch} must be a multiple of micro_batch={micro_batch}")
         self.num_samples, self.micro_batch, self.steps = int(num_samples), int(micro_batch), steps
         self.global_batch, self.seed, self.epochs = global_batch, int(seed), int(epochs)
-        self.epoch, self.offset, self.windows = 0, 0, 0
+        self.epoch, self.offset, self.windows, self.blocks = 0, 0, 0, False
         self.deals: dict[int, dict[int, list[list[int]]]] = {}  # the accumulator's window -> its deal (the last two)
         self.lost: list[tuple[int, int, list[int]]] = []  # (window, replica, samples) a dead replica held
         self.seen_generation = 0  # membership events up to this generation are in ``lost``
@@ -62,6 +66,9 @@ class ElasticSampler:
         return torch.randperm(self.num_samples, generator=g).tolist()
 
     def iterate(self, acc: Any) -> Iterator[list[int]]:
+        # deterministic=True sums the window in the order of its micro-batches: rank j // k runs micro-batch j
+        config = getattr(getattr(getattr(acc, "model", None), "reducer", None), "config", None)
+        self.blocks = bool(getattr(config, "deterministic", False))
         m = process.state.replica
         if m is not None:
             m.registered.setdefault("gradsync.ElasticSampler", self)  # a joiner takes the members' position
@@ -90,7 +97,7 @@ class ElasticSampler:
             self.epoch, self.offset = self.epoch + 1, 0
             if self.epoch >= self.epochs or size > self.num_samples:
                 return None
-        dealt = deal(self.order(self.epoch)[self.offset:self.offset + size], self.micro_batch, members)
+        dealt = deal(self.order(self.epoch)[self.offset:self.offset + size], self.micro_batch, members, self.blocks)
         self.offset += size
         self.windows += 1
         return dealt

@@ -49,6 +49,9 @@ class ReducerConfig:
     check_replicas: bool | str = False
     """Compare every bucket's parameters and reduced gradient across ranks in each synced backward (``replicas.py``);
     ``"evict"``: with elastic membership, a minority that disagrees leaves the group instead of every rank raising."""
+    deterministic: bool = False
+    """Sum the window's micro-steps and the ranks in one fixed tree: the same bits for any power-of-two world
+    size (``gradsync/deterministic``)."""
     wrapper_name: str = "DistributedDataParallel"
     """The wrapper's class name, for messages."""
 
@@ -80,6 +83,13 @@ class ReducerConfig:
                              "every bucket's reduce-scatter fills every rank's shard; leave it False")
         if not isinstance(self.check_replicas, bool) and self.check_replicas != "evict":
             raise TypeError(f"gradsync: check_replicas must be True, False or \"evict\", got {self.check_replicas!r}")
+        taken = [name for name, on in (("ShardedDataParallel", self.sharded), ("gradient_as_bucket_view=True",
+                 self.gradient_as_bucket_view), ("reduce_dtype", self.reduce_dtype is not None),
+                 ("skip_all_reduce_unused_params=True", self.skip_all_reduce_unused_params)) if on]
+        if self.deterministic and taken:
+            raise ValueError(f"gradsync: deterministic=True keeps each micro-step's gradient apart and reduces the "
+                             f"buckets in its own order, which {', '.join(taken)} does not allow yet; drop it or "
+                             "pass deterministic=False")
         if self.sharded and self.auto_bucket_cap:
             raise ValueError(f"gradsync: {self.wrapper_name} lays its buckets out once, at construction, so it "
                              "cannot choose the cap from measured backwards; pass bucket_cap_mb as a size in MiB")

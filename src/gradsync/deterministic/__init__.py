@@ -1,0 +1,38 @@
+"""``DistributedDataParallel(deterministic=True)``: the same gradient bits whatever the world size.
+
+A window's global micro-batch j runs on rank j // k as its micro-step j % k (k micro-steps per rank).
+Its gradient is summed in one fixed binary tree over j: each rank sums its k micro-steps' gradients in
+that tree's order (``store.py``: a complete subtree when k is a power of two), and the ranks' sums meet
+in rank order (``launcher.py``: all-to-all of each bucket's chunks, the chunk's parts summed in the
+tree's order, all-gather: the bytes of a ring all-reduce). Dividing by a power-of-two world size and
+scaling a loss by a power-of-two 1/k are exact, so the parameters after every optimizer step are
+bit-identical for W = 1, 2, 4, 8, ... (``tree.py`` says why the two levels give one tree).
+"""
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import process
+
+from .launcher import OrderedLauncher
+from .store import TreeStore
+from .tree import TreeSum, tree_sum
+
+
+def ordered_parts(params: list, names: list[str], group: Any, config: Any) -> dict[str, Any]:
+    """The reducer's store and launcher for ``deterministic=True``."""
+    process.listen("accumulator", refuse_sync_each_batch)
+    store = TreeStore(params, names, world_size=dist.get_world_size(group), caps=config.caps)
+    return {"store": store, "launcher": lambda plane: OrderedLauncher(group, plane, params)}
+
+
+def refuse_sync_each_batch(acc: Any) -> None:
+    """Each micro-step reduced apart adds ranks before micro-steps: another tree than rank j // k's."""
+    config = getattr(getattr(acc.model, "reducer", None), "config", None)
+    if acc.sync_each_batch and getattr(config, "deterministic", False):
+        raise ValueError("gradsync: GradientAccumulator(sync_each_batch=True) reduces every micro-step across the "
+                         "ranks before the next, an order that changes with the world size, so deterministic=True "
+                         "cannot hold; use sync_each_batch=False")
+
+
+__all__ = ["OrderedLauncher", "TreeStore", "TreeSum", "ordered_parts", "tree_sum"]

@@ -1,0 +1,78 @@
+"""The window of ``deterministic=True``: each micro-step's gradient kept apart, summed in a fixed tree.
+
+Autograd adds each micro-step's gradient into ``.grad`` in arrival order, ((g0 + g1) + g2) + g3, a
+chain whose bits depend on how many micro-steps a rank runs. Here every gradient a backward produces
+goes into its parameter's ``TreeSum`` and ``.grad`` is released, so the next backward's gradient
+arrives alone; the synced backward copies the tree's total into the bucket. The price is the tree's
+nodes: at most log2(k) + 1 gradient copies for k micro-steps, and ``.grad`` reads None inside a window
+(it holds the average again after the synced backward).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..engine.checks import check_grad
+from ..engine.store import BucketStore
+from .tree import TreeSum
+
+
+class TreeStore(BucketStore):
+    """A bucket store whose window is a ``TreeSum`` per parameter (never views of the buckets)."""
+
+    copies_per_bucket = property(lambda self: False)  # each gradient as it is ready: it joins its tree
+    keeps_local_per_grad = property(lambda self: True)
+    adopts_views = property(lambda self: False)
+    keeps_local_grads = property(lambda self: True)  # the trees are apart from the buckets
+
+    def __init__(self, params: list[torch.Tensor], names: list[str], **kwargs: Any):
+        super().__init__(params, names, **kwargs)
+        self.trees = [TreeSum() for _ in params]
+
+    def keep_local(self, i: int) -> None:
+        """This backward's gradient of parameter ``i`` is final: the next leaf of its tree."""
+        grad = self.params[i].grad
+        if grad is not None:
+            check_grad(grad, self.views[i], self.names[i])
+            self.trees[i].push(grad.detach())
+            self.params[i].grad = None
+
+    def copy_in(self, i: int, divide: bool) -> None:
+        """Put the window's tree total into the slot (divided by a power-of-two world size: exact). The
+        tree stays until the reduction is written back: a commit protocol may reduce the window again."""
+        if self.trees[i]:  # else .grad is the window's only leaf: it stays, and the average is written into it
+            self.keep_local(i)
+        total, view = self.trees[i].total() if self.trees[i] else self.params[i].grad, self.views[i]
+        if total is None:
+            view.zero_()
+        elif divide:
+            torch.div(total, self.world_size, out=view)
+        else:
+            view.copy_(total)
+
+    def copy_in_all(self, divide: bool) -> None:
+        for i in range(len(self.params)):
+            self.copy_in(i, divide)
+        for b in self.buckets:
+            b.pending = 0
+
+    def end_sync(self, results: list[Any] | None, counts: list[int], done: Any = None) -> None:
+        super().end_sync(results, counts, done)
+        self.trees = [TreeSum() for _ in self.params]  # the window is reduced and written back
+
+    def drop_local(self) -> None:
+        super().drop_local()
+        self.trees = [TreeSum() for _ in self.params]
+
+    def has_local_grad(self, i: int) -> bool:
+        return bool(self.trees[i]) or self.params[i].grad is not None
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return super().grad_tensors() + [t for tree in self.trees for t in tree.tensors()]
+
+    def keep_window_apart(self) -> None:
+        """Already apart: the window is in the trees."""
+
+
+__all__ = ["TreeStore"]

@@ -1,0 +1,124 @@
+"""deterministic=True (issue 40): the same windows on W = 1, 2, 4, 8 give the same parameter bits after every step.
+
+The window's global micro-batch j runs on rank j // k as its micro-step j % k (k = micro-batches / W). The
+model has attention, LayerNorm and GELU; the optimizers SGD with momentum and AdamW; the losses a mean
+and a sum with ``num_items`` (uneven item counts). Every step's parameters are hashed (SHA-256) on every rank.
+"""
+import hashlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradsync
+from gradsync.deterministic import TreeSum, tree_sum
+from gradsync.tools.launch import run_ranks
+
+GLOBAL, WINDOWS, ROWS = 8, 3, 4  # 8 global micro-batches a window
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(6, 16)
+        self.attn = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 3))
+
+    def forward(self, x):
+        h = self.embed(x)
+        h = self.norm(h + self.attn(h, h, h, need_weights=False)[0])
+        return self.head(h).mean(1)
+
+
+def windows():
+    g = torch.Generator().manual_seed(1)
+    return [[(torch.randn(ROWS, 5, 6, generator=g), torch.randn(ROWS, 3, generator=g), 1 + j % 3)
+             for j in range(GLOBAL)] for _ in range(WINDOWS)]
+
+
+def digest(net):
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
+
+
+def train(rank, world_size, optimizer, mode, deterministic=True):
+    net = Block()
+    model = gradsync.DDP(net, deterministic=deterministic, bucket_cap_mb=0.005, first_bucket_cap_mb=0.001)
+    k = GLOBAL // world_size
+    acc = gradsync.GradientAccumulator(model, steps=k)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
+           else torch.optim.AdamW(model.parameters(), lr=1e-2))
+    opt = acc.wrap_optimizer(opt)
+    hashes = []
+    for window in windows():
+        for x, y, n in window[rank * k:(rank + 1) * k]:  # global micro-batch j on rank j // k
+            with acc.accumulate():
+                out = model(x)
+                if mode == "mean":
+                    acc.backward(F.mse_loss(out, y))
+                else:
+                    acc.backward(F.mse_loss(out[:n], y[:n], reduction="sum"), num_items=n)
+        opt.step()
+        opt.zero_grad()
+        hashes.append(digest(net))
+    return hashes
+
+
+@pytest.mark.parametrize("optimizer,mode", [("sgd", "mean"), ("adamw", "items")])
+def test_every_step_is_bit_identical_on_1_2_4_and_8_ranks(optimizer, mode):
+    runs = {w: run_ranks(train, w, optimizer, mode, timeout=120) for w in (1, 2, 4, 8)}
+    for w, ranks in runs.items():
+        assert all(r == ranks[0] for r in ranks), f"W={w}: the ranks differ"
+    assert runs[1][0] == runs[2][0] == runs[4][0] == runs[8][0]
+
+
+def test_the_tree_of_blocks_is_the_tree_of_leaves():
+    """A rank's micro-steps summed by their own TreeSum, then the ranks' sums by another: one TreeSum over
+    every leaf, bit for bit, for blocks of 2^a leaves (and a sequential sum is not that)."""
+    g = torch.Generator().manual_seed(3)
+    leaves = [torch.randn(1000, generator=g) * 10 ** float(torch.randint(-3, 4, (1,), generator=g)) for _ in range(16)]
+    whole = tree_sum(leaves)
+    for block in (1, 2, 4, 8):
+        sums = [tree_sum(leaves[i:i + block]) for i in range(0, 16, block)]
+        assert torch.equal(tree_sum(sums), whole)
+    chain = leaves[0].clone()
+    for leaf in leaves[1:]:
+        chain += leaf
+    assert not torch.equal(chain, whole)  # the order matters at these magnitudes: the test can tell
+    tree = TreeSum()
+    for leaf in leaves[:5]:
+        tree.push(leaf.clone())
+    assert [h for h, _ in tree.nodes] == [2, 0] and torch.equal(tree.total(), tree_sum(leaves[:5]))
+
+
+def refused(rank, world_size, what):
+    from helpers import outcome
+
+    def build():
+        net = nn.Linear(4, 4)
+        if what == "hook":
+            gradsync.DDP(net, deterministic=True).register_comm_hook(None, gradsync.hooks.allreduce_hook)
+        elif what == "join":
+            with gradsync.DDP(net, deterministic=True).join():
+                pass
+        else:
+            gradsync.DDP(net, deterministic=True, **{what: True})
+    return outcome(build)
+
+
+@pytest.mark.parametrize("what", ["hook", "gradient_as_bucket_view", "join"])
+def test_what_would_change_the_order_is_refused(what):
+    for kind, message, _ in run_ranks(refused, 2, what):
+        assert kind == ("NotImplementedError" if what == "join" else "ValueError"), message
+        assert "deterministic=True" in message, message
+
+
+def test_sync_each_batch_is_refused():
+    def build(rank, world_size):
+        from helpers import outcome
+        model = gradsync.DDP(nn.Linear(4, 4), deterministic=True)
+        return outcome(lambda: gradsync.GradientAccumulator(model, steps=2, sync_each_batch=True))
+    for kind, message, _ in run_ranks(build, 2):
+        assert kind == "ValueError" and "sync_each_batch" in message and "deterministic=True" in message, message
