@@ -216,6 +216,28 @@ def test_bucket_cap_auto_a_replica_that_joins_takes_the_members_progress(tmp_pat
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("hook,atol", [("bf16", 2e-3), ("powersgd", None)])
+@pytest.mark.parametrize("point,victim,window", [("during_reductions", 2, 1), ("optimizer_step", 1, 2)])
+def test_drills_with_comm_hooks_on_the_default_group(tmp_path, hook, atol, point, victim, window):
+    """A hook whose state names no group reduces over the default one, which follows membership. The survivors
+    agree bit for bit; bf16 compression stays within 2e-3 of the float32 reference on what was kept (the dead
+    replica's window kept would be farther off); PowerSGD's low-rank error is larger, by design."""
+    proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, "--hook", hook)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first = agreeing(survivors(tmp_path), sorted({0, 1, 2} - {victim}), proc.stderr)
+    assert [(e["window"], e["left"]) for e in first["events"]] == [(window, [victim])]
+    if atol is not None:
+        for got, ref in zip(first["params"], reference(first["events"], 3)):
+            torch.testing.assert_close(got, ref, atol=atol, rtol=0)
+
+
+@pytest.mark.slow  # each replica compiles the model: about a minute on 2 cores
+@pytest.mark.parametrize("point,victim,window", [("during_reductions", 2, 1), ("optimizer_step", 1, 2)])
+def test_drills_with_torch_compile(tmp_path, point, victim, window):
+    proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, "--compile", timeout=400)
+    check_run(tmp_path, proc, victim=victim, window=window)
+
+
 def test_overlap_optimizer_steps_only_what_every_member_committed(tmp_path):
     """The victim dies a second after its first buckets' all-reduces: the survivors hold those buckets' results
     by then. overlap_optimizer must not step them before the commit, or the window's re-reduction among the

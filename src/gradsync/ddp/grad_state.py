@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-_KEYS = {"gradients", "bucket_order", "main_grads", "bucket_caps"}
+_KEYS = {"gradients", "bucket_order", "main_grads", "bucket_caps", "trees"}
 
 
 def grad_state(reducer: Any) -> dict[str, Any]:
@@ -21,6 +21,8 @@ def grad_state(reducer: Any) -> dict[str, Any]:
              "bucket_order": None if order is None else [reducer.names[i] for i in order]}
     if store.main is not None:
         state["main_grads"] = store.main.state()
+    if hasattr(store, "tree_state"):  # deterministic=True: the window is in per-parameter trees, not .grad
+        state["trees"] = store.tree_state()
     if reducer.auto_caps is not None and reducer.auto_caps.choice is not None:
         state["bucket_caps"] = list(store.caps)
     return state
@@ -55,3 +57,8 @@ def load_grad_state(reducer: Any, state: dict[str, Any]) -> None:
                          "('main_grads'); load it into a model built with the same reduce_dtype")
     if store.main is not None:
         store.main.load_state(main)
+    if ("trees" in state) != hasattr(store, "tree_state"):
+        raise ValueError("gradsync: a gradient state saved with deterministic=True loads only into a model built with "
+                         "it, and the other way round (the window's gradients live in its trees)")
+    if "trees" in state:
+        store.load_tree_state(state["trees"])

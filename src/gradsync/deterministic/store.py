@@ -71,6 +71,15 @@ class TreeStore(BucketStore):
     def grad_tensors(self) -> list[torch.Tensor]:
         return super().grad_tensors() + [t for tree in self.trees for t in tree.tensors()]
 
+    def tree_state(self) -> dict[str, list[tuple[int, torch.Tensor]]]:
+        """The window's trees by parameter name: (height, partial sum) nodes (``grad_state_dict``)."""
+        return {self.names[i]: [(h, t.detach().clone()) for h, t in tree.nodes] for i, tree in enumerate(self.trees) if tree}
+
+    def load_tree_state(self, state: dict[str, list[tuple[int, torch.Tensor]]]) -> None:
+        self.trees = [TreeSum() for _ in self.params]
+        for i, name in enumerate(self.names):
+            self.trees[i].nodes = [(h, t.detach().clone().to(self.params[i].device)) for h, t in state.get(name, ())]
+
     def keep_window_apart(self) -> None:
         """Already apart: the window is in the trees."""
 
