@@ -22,7 +22,8 @@ from .tree import TreeSum, tree_sum
 def ordered_parts(params: list, names: list[str], group: Any, config: Any) -> dict[str, Any]:
     """The reducer's store and launcher for ``deterministic=True``."""
     process.listen("accumulator", refuse_sync_each_batch)
-    store = TreeStore(params, names, world_size=dist.get_world_size(group), caps=config.caps)
+    store = TreeStore(params, names, world_size=dist.get_world_size(group), caps=config.caps,
+                      gradient_as_bucket_view=config.gradient_as_bucket_view)
     return {"store": store, "launcher": lambda plane: OrderedLauncher(group, plane, params)}
 
 

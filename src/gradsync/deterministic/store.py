@@ -19,7 +19,8 @@ from .tree import TreeSum
 
 
 class TreeStore(BucketStore):
-    """A bucket store whose window is a ``TreeSum`` per parameter (never views of the buckets)."""
+    """A bucket store whose window is a ``TreeSum`` per parameter, apart from the buckets (with gradient
+    views only the average written back is the bucket's slot)."""
 
     copies_per_bucket = property(lambda self: False)  # each gradient as it is ready: it joins its tree
     keeps_local_per_grad = property(lambda self: True)
@@ -35,13 +36,15 @@ class TreeStore(BucketStore):
         grad = self.params[i].grad
         if grad is not None:
             check_grad(grad, self.views[i], self.names[i])
-            self.trees[i].push(grad.detach())
+            leaf = grad.detach()
+            self.trees[i].push(leaf.clone() if self.grad_as_view and self._is_slot(i, grad) else leaf)  # not the bucket
             self.params[i].grad = None
 
     def copy_in(self, i: int, divide: bool) -> None:
         """Put the window's tree total into the slot (divided by a power-of-two world size: exact). The
         tree stays until the reduction is written back: a commit protocol may reduce the window again."""
-        if self.trees[i]:  # else .grad is the window's only leaf: it stays, and the average is written into it
+        grad = self.params[i].grad  # the window's only leaf when the tree is empty: it stays, apart from the bucket
+        if self.trees[i] or (grad is not None and self.grad_as_view and self._is_slot(i, grad)):
             self.keep_local(i)
         total, view = self.trees[i].total() if self.trees[i] else self.params[i].grad, self.views[i]
         if total is None:

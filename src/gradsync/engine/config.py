@@ -83,8 +83,7 @@ class ReducerConfig:
                              "every bucket's reduce-scatter fills every rank's shard; leave it False")
         if not isinstance(self.check_replicas, bool) and self.check_replicas != "evict":
             raise TypeError(f"gradsync: check_replicas must be True, False or \"evict\", got {self.check_replicas!r}")
-        taken = [name for name, on in (("ShardedDataParallel", self.sharded), ("gradient_as_bucket_view=True",
-                 self.gradient_as_bucket_view), ("reduce_dtype", self.reduce_dtype is not None),
+        taken = [name for name, on in (("ShardedDataParallel", self.sharded), ("reduce_dtype", self.reduce_dtype is not None),
                  ("skip_all_reduce_unused_params=True", self.skip_all_reduce_unused_params)) if on]
         if self.deterministic and taken:
             raise ValueError(f"gradsync: deterministic=True keeps each micro-step's gradient apart and reduces the "
