@@ -4,9 +4,10 @@ A ring or tree all-reduce adds the ranks' buckets in an order its algorithm pick
 the world size. Here the bucket is cut into W chunks; an all-to-all gives rank c every rank's chunk c,
 which it sums in rank order (``TreeSum``: the top of the window's tree); an all-gather returns every
 summed chunk to every rank. Each rank sends and receives (W - 1)/W of the bucket twice: the bytes of a
-ring all-reduce. The all-to-all starts when the bucket is full, the sum and the all-gather run when
-its result is taken, in bucket order on every rank. Two ranks need none of it: a sum of two values has
-one order, so their buckets take the default all-reduce.
+ring all-reduce. A bucket's all-to-all starts when it is full; its sum and all-gather start when the
+next bucket launches (the all-to-all has had that bucket's backward to arrive), the last bucket's when
+its result is taken: the same sequence of collectives on every rank. Two ranks need none of it: a sum
+of two values has one order, so their buckets take the default all-reduce.
 """
 from __future__ import annotations
 
@@ -25,7 +26,8 @@ class OrderedLauncher(BucketLauncher):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.in_flight: dict[int, tuple[torch.Tensor, int]] = {}  # bucket -> (all-to-all output, numel)
+        self.exchanged: dict[int, tuple[Any, torch.Tensor, int]] = {}  # bucket -> (all-to-all, its output, numel)
+        self.gathering: dict[int, tuple[Any, torch.Tensor, int]] = {}  # bucket -> (all-gather, its output, numel)
 
     def set_hook(self, hook: Any, state: Any) -> None:
         if hook is not None:
@@ -38,30 +40,41 @@ class OrderedLauncher(BucketLauncher):
         world = self.group.size()
         if world <= 2:  # a + b is b + a: any all-reduce of two ranks adds in the one order there is
             return dist.all_reduce(buffer, group=self.group, async_op=True)
+        if index - 1 in self.exchanged:  # the previous bucket's second half, before this one's first
+            self.gather(index - 1)
         chunk = -(-buffer.numel() // world)
         sent = torch.zeros(chunk * world, dtype=buffer.dtype, device=buffer.device)
         sent[:buffer.numel()] = buffer
         parts = torch.empty_like(sent)
-        self.in_flight[index] = (parts, buffer.numel())
-        return dist.all_to_all_single(parts, sent, group=self.group, async_op=True)
+        work = dist.all_to_all_single(parts, sent, group=self.group, async_op=True)
+        self.exchanged[index] = (work, parts, buffer.numel())
+        return work
 
-    def _result(self, bucket: Bucket) -> torch.Tensor:
-        self.plane.wait(bucket.handle, f"bucket {bucket.index} (its all-to-all)")
-        if bucket.index not in self.in_flight:  # one or two ranks: reduced in place
-            return bucket.buffer if bucket.wire is None else bucket.wire
-        parts, numel = self.in_flight.pop(bucket.index)
+    def gather(self, index: int) -> None:
+        """Sum bucket ``index``'s parts in rank order and start the all-gather of the sums."""
+        work, parts, numel = self.exchanged.pop(index)
+        self.plane.wait(work, f"bucket {index} (its all-to-all)")
         world = self.group.size()
         tree = TreeSum()
         for part in parts.view(world, -1):  # rank order: the top of the window's tree
             tree.push(part)
-        mine = tree.total()
         gathered = torch.empty_like(parts)
-        work = dist.all_gather(list(gathered.view(world, -1)), mine, group=self.group, async_op=True)
-        self.plane.wait(work, f"bucket {bucket.index} (its all-gather)")
+        handle = dist.all_gather(list(gathered.view(world, -1)), tree.total(), group=self.group, async_op=True)
+        self.gathering[index] = (handle, gathered, numel)
+
+    def _result(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.index in self.exchanged:  # the last bucket: nothing launched after it
+            self.gather(bucket.index)
+        if bucket.index not in self.gathering:  # one or two ranks: reduced in place
+            self.plane.wait(bucket.handle, f"bucket {bucket.index}")
+            return bucket.buffer if bucket.wire is None else bucket.wire
+        handle, gathered, numel = self.gathering.pop(bucket.index)
+        self.plane.wait(handle, f"bucket {bucket.index} (its all-gather)")
         return gathered[:numel]
 
     def reset(self) -> None:
-        self.in_flight.clear()
+        self.exchanged.clear()
+        self.gathering.clear()
 
 
 __all__ = ["OrderedLauncher"]
