@@ -26,7 +26,7 @@ class OrderedLauncher(BucketLauncher):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.exchanged: dict[int, tuple[Any, torch.Tensor, int]] = {}  # bucket -> (all-to-all, its output, numel)
+        self.exchanged: dict[int, tuple] = {}  # bucket -> (all-to-all, its output, what it sent, numel)
         self.gathering: dict[int, tuple[Any, torch.Tensor, int]] = {}  # bucket -> (all-gather, its output, numel)
 
     def set_hook(self, hook: Any, state: Any) -> None:
@@ -42,25 +42,25 @@ class OrderedLauncher(BucketLauncher):
             return dist.all_reduce(buffer, group=self.group, async_op=True)
         if index - 1 in self.exchanged:  # the previous bucket's second half, before this one's first
             self.gather(index - 1)
-        chunk = -(-buffer.numel() // world)
-        sent = torch.zeros(chunk * world, dtype=buffer.dtype, device=buffer.device)
-        sent[:buffer.numel()] = buffer
-        parts = torch.empty_like(sent)
-        work = dist.all_to_all_single(parts, sent, group=self.group, async_op=True)
-        self.exchanged[index] = (work, parts, buffer.numel())
+        numel, out = buffer.numel(), buffer  # a bucket that splits evenly is sent and gathered in place
+        if numel % world:
+            out = torch.zeros(-(-numel // world) * world, dtype=buffer.dtype, device=buffer.device)
+            out[:numel] = buffer
+        parts = torch.empty_like(out)
+        work = dist.all_to_all_single(parts, out, group=self.group, async_op=True)
+        self.exchanged[index] = (work, parts, out, numel)
         return work
 
     def gather(self, index: int) -> None:
         """Sum bucket ``index``'s parts in rank order and start the all-gather of the sums."""
-        work, parts, numel = self.exchanged.pop(index)
-        self.plane.wait(work, f"bucket {index} (its all-to-all)")
+        work, parts, out, numel = self.exchanged.pop(index)
+        self.plane.wait(work, f"bucket {index} (its all-to-all)")  # ``out`` is free again
         world = self.group.size()
         tree = TreeSum()
         for part in parts.view(world, -1):  # rank order: the top of the window's tree
             tree.push(part)
-        gathered = torch.empty_like(parts)
-        handle = dist.all_gather(list(gathered.view(world, -1)), tree.total(), group=self.group, async_op=True)
-        self.gathering[index] = (handle, gathered, numel)
+        handle = dist.all_gather(list(out.view(world, -1)), tree.total(), group=self.group, async_op=True)
+        self.gathering[index] = (handle, out, numel)
 
     def _result(self, bucket: Bucket) -> torch.Tensor:
         if bucket.index in self.exchanged:  # the last bucket: nothing launched after it
@@ -70,7 +70,7 @@ class OrderedLauncher(BucketLauncher):
             return bucket.buffer if bucket.wire is None else bucket.wire
         handle, gathered, numel = self.gathering.pop(bucket.index)
         self.plane.wait(handle, f"bucket {bucket.index} (its all-gather)")
-        return gathered[:numel]
+        return gathered if gathered.numel() == numel else gathered[:numel]  # the buffer itself: no copy back
 
     def reset(self) -> None:
         self.exchanged.clear()
