@@ -111,7 +111,10 @@ class BucketLauncher:
         buffer, views = bucket.buffer, bucket.views
         if bucket.wire is not None:  # the window stays in the buffer: reduce its average's copy (keep_window_apart)
             buffer, views = bucket.wire, bucket.wire_views
-            torch.div(bucket.buffer, self.group.size(), out=buffer) if self.divides_on_copy else buffer.copy_(bucket.buffer)
+            if self.divides_on_copy:
+                torch.div(bucket.buffer, self.group.size(), out=buffer)
+            else:
+                buffer.copy_(bucket.buffer)
         bucket.handle = self.issue(bucket.index, buffer, views, bucket.members, previous, bucket.index == len(buckets) - 1)
         if traced:
             fut = bucket.handle if isinstance(bucket.handle, Future) else bucket.handle.get_future()
