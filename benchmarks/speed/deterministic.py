@@ -13,7 +13,7 @@ Bytes on the wire per window are those of a ring all-reduce by construction (``d
 from __future__ import annotations
 
 import gradsync
-from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark, time_variants, with_aa
+from gradsync.tools.bench.harness import describe, paired, paired_cells, run_paired_benchmark, time_variants, with_aa
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
@@ -35,9 +35,7 @@ def time_rank(rank, world, spec, accum, warmup, reps) -> dict:
 
 
 def summarize(times: dict) -> dict:
-    own = paired(times, "default")
-    return {"median_ms": own["median_ms"], "paired_ratio": own["paired_ratio"], "paired_diff_ms": own["paired_diff_ms"],
-            "ratio_iqr": own["ratio_iqr"], "noise_ms": own["noise_ms"], "raw": times}
+    return paired(times, "default")
 
 
 def report(record: dict) -> str:
@@ -47,11 +45,9 @@ def report(record: dict) -> str:
              "", "| model | accum | default ms | deterministic ms | deterministic / default [IQR] | cost ms | A/A [IQR] | noise ms |",
              "|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
-        m, q, iqr = r["median_ms"], r["paired_ratio"], r["ratio_iqr"]
+        m = r["median_ms"]
         lines.append(f"| {r['model']} | {r['accum']} | {m['default']:.1f} | {m['deterministic']:.1f} | "
-                     f"{q['deterministic']:.3f} [{iqr['deterministic'][0]:.3f}-{iqr['deterministic'][1]:.3f}] | "
-                     f"{r['paired_diff_ms']['deterministic']:+.2f} | {q['default A/A']:.3f} "
-                     f"[{iqr['default A/A'][0]:.3f}-{iqr['default A/A'][1]:.3f}] | {r['noise_ms']:.2f} |")
+                     f"{paired_cells(r, 'deterministic', 'default A/A')} |")
     return "\n".join(lines) + "\n"
 
 

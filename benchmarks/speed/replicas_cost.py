@@ -17,7 +17,7 @@ import statistics
 import time
 
 import gradsync
-from gradsync.tools.bench.harness import describe, paired, run_paired_benchmark, time_variants, with_aa
+from gradsync.tools.bench.harness import describe, paired, paired_cells, run_paired_benchmark, time_variants, with_aa
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
@@ -57,9 +57,7 @@ def _median_ms(f, n: int = 30) -> float:
 
 def summarize(times: dict) -> dict:
     passes = times.pop("passes_ms")
-    own = paired(times, "off")
-    return {"passes_ms": passes, "median_ms": own["median_ms"], "paired_ratio": own["paired_ratio"], "paired_diff_ms": own["paired_diff_ms"],
-            "ratio_iqr": own["ratio_iqr"], "noise_ms": own["noise_ms"], "raw": times}
+    return {"passes_ms": passes, **paired(times, "off")}
 
 
 def report(record: dict) -> str:
@@ -70,11 +68,9 @@ def report(record: dict) -> str:
              "| passes alone: parameters + gradient ms | passes / off |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in record["rows"]:
-        m, q, iqr = r["median_ms"], r["paired_ratio"], r["ratio_iqr"]
+        m = r["median_ms"]
         lines.append(f"| {r['model']} | {r['accum']} | {m['off']:.1f} | {m['check_replicas']:.1f} | "
-                     f"{q['check_replicas']:.3f} [{iqr['check_replicas'][0]:.3f}-{iqr['check_replicas'][1]:.3f}] | "
-                     f"{r['paired_diff_ms']['check_replicas']:+.2f} | {q['off A/A']:.3f} "
-                     f"[{iqr['off A/A'][0]:.3f}-{iqr['off A/A'][1]:.3f}] | {r['noise_ms']:.2f} | "
+                     f"{paired_cells(r, 'check_replicas', 'off A/A')} | "
                      f"{r['passes_ms']['parameters']:.2f} + {r['passes_ms']['gradient']:.2f} | "
                      f"{sum(r['passes_ms'].values()) / m['off']:.3f} |")
     return "\n".join(lines) + "\n"

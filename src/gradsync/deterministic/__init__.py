@@ -27,13 +27,17 @@ def ordered_parts(params: list, names: list[str], group: Any, config: Any) -> di
     return {"store": store, "launcher": lambda plane: OrderedLauncher(group, plane, params)}
 
 
+def is_deterministic(model: Any) -> bool:
+    """Whether ``model`` is a gradsync wrapper built with ``deterministic=True``."""
+    return bool(getattr(getattr(getattr(model, "reducer", None), "config", None), "deterministic", False))
+
+
 def refuse_sync_each_batch(acc: Any) -> None:
     """Each micro-step reduced apart adds ranks before micro-steps: another tree than rank j // k's."""
-    config = getattr(getattr(acc.model, "reducer", None), "config", None)
-    if acc.sync_each_batch and getattr(config, "deterministic", False):
+    if acc.sync_each_batch and is_deterministic(acc.model):
         raise ValueError("gradsync: GradientAccumulator(sync_each_batch=True) reduces every micro-step across the "
                          "ranks before the next, an order that changes with the world size, so deterministic=True "
                          "cannot hold; use sync_each_batch=False")
 
 
-__all__ = ["OrderedLauncher", "TreeStore", "TreeSum", "ordered_parts", "tree_sum"]
+__all__ = ["OrderedLauncher", "TreeStore", "TreeSum", "is_deterministic", "ordered_parts", "tree_sum"]

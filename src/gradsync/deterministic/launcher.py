@@ -62,12 +62,11 @@ class OrderedLauncher(BucketLauncher):
         handle = dist.all_gather(list(out.view(world, -1)), tree.total(), group=self.group, async_op=True)
         self.gathering[index] = (handle, out, numel)
 
-    def _result(self, bucket: Bucket) -> torch.Tensor:
+    def reduced(self, bucket: Bucket) -> torch.Tensor:
         if bucket.index in self.exchanged:  # the last bucket: nothing launched after it
             self.gather(bucket.index)
-        if bucket.index not in self.gathering:  # one or two ranks: reduced in place
-            self.plane.wait(bucket.handle, f"bucket {bucket.index}")
-            return bucket.buffer if bucket.wire is None else bucket.wire
+        if bucket.index not in self.gathering:  # one or two ranks: the default all-reduce
+            return super().reduced(bucket)
         handle, gathered, numel = self.gathering.pop(bucket.index)
         self.plane.wait(handle, f"bucket {bucket.index} (its all-gather)")
         return gathered if gathered.numel() == numel else gathered[:numel]  # the buffer itself: no copy back

@@ -29,7 +29,10 @@ class TreeStore(BucketStore):
 
     def __init__(self, params: list[torch.Tensor], names: list[str], **kwargs: Any):
         super().__init__(params, names, **kwargs)
-        self.trees = [TreeSum() for _ in params]
+        self.forget_trees()
+
+    def forget_trees(self) -> None:
+        self.trees = [TreeSum() for _ in self.params]
 
     def keep_local(self, i: int) -> None:
         """This backward's gradient of parameter ``i`` is final: the next leaf of its tree."""
@@ -54,19 +57,13 @@ class TreeStore(BucketStore):
         else:
             view.copy_(total)
 
-    def copy_in_all(self, divide: bool) -> None:
-        for i in range(len(self.params)):
-            self.copy_in(i, divide)
-        for b in self.buckets:
-            b.pending = 0
-
     def end_sync(self, results: list[Any] | None, counts: list[int], done: Any = None) -> None:
         super().end_sync(results, counts, done)
-        self.trees = [TreeSum() for _ in self.params]  # the window is reduced and written back
+        self.forget_trees()  # the window is reduced and written back
 
     def drop_local(self) -> None:
         super().drop_local()
-        self.trees = [TreeSum() for _ in self.params]
+        self.forget_trees()
 
     def has_local_grad(self, i: int) -> bool:
         return bool(self.trees[i]) or self.params[i].grad is not None
@@ -79,12 +76,9 @@ class TreeStore(BucketStore):
         return {self.names[i]: [(h, t.detach().clone()) for h, t in tree.nodes] for i, tree in enumerate(self.trees) if tree}
 
     def load_tree_state(self, state: dict[str, list[tuple[int, torch.Tensor]]]) -> None:
-        self.trees = [TreeSum() for _ in self.params]
+        self.forget_trees()
         for i, name in enumerate(self.names):
             self.trees[i].nodes = [(h, t.detach().clone().to(self.params[i].device)) for h, t in state.get(name, ())]
-
-    def keep_window_apart(self) -> None:
-        """Already apart: the window is in the trees."""
 
 
 __all__ = ["TreeStore"]

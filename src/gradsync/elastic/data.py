@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import process
+from ..deterministic import is_deterministic
 
 
 def deal(chunk: list[int], micro_batch: int, members: list[int], blocks: bool = False) -> dict[int, list[list[int]]]:
@@ -67,8 +68,7 @@ class ElasticSampler:
 
     def iterate(self, acc: Any) -> Iterator[list[int]]:
         # deterministic=True sums the window in the order of its micro-batches: rank j // k runs micro-batch j
-        config = getattr(getattr(getattr(acc, "model", None), "reducer", None), "config", None)
-        self.blocks = bool(getattr(config, "deterministic", False))
+        self.blocks = is_deterministic(getattr(acc, "model", None))
         m = process.state.replica
         if m is not None:
             m.registered.setdefault("gradsync.ElasticSampler", self)  # a joiner takes the members' position

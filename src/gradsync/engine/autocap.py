@@ -153,7 +153,7 @@ class AutoCaps:
         """
         params = self.reducer.params
         if self.layouts is None:  # the order is final by now: plan the schedule, time from the next one
-            order = self._order()
+            order = self.reducer.layout.order()
             self.layouts = distinct_layouts(params, order, self.first_bucket_cap_mb)
             self.default = default_cap(self.layouts, params, order, self.first_bucket_cap_mb)
             if len(self.layouts) == 1:  # every candidate plans the same buckets: nothing to time
@@ -255,7 +255,7 @@ class AutoCaps:
             self.resume(*state["choice"])
             return
         if state["planned"]:
-            order = self._order()
+            order = self.reducer.layout.order()
             self.layouts = distinct_layouts(self.reducer.params, order, self.first_bucket_cap_mb)
             self.default = default_cap(self.layouts, self.reducer.params, order, self.first_bucket_cap_mb)
             self.records = {c: [] for c in self.layouts}
@@ -266,14 +266,10 @@ class AutoCaps:
         """Re-plan the buckets with ``choice``; tracing for this ends."""
         caps = self.resume(choice.bucket_cap_mb, choice.first_bucket_cap_mb)
         self.choice = choice
-        self.reducer.layout.replan(self._order(), caps)
+        self.reducer.layout.replan(self.reducer.layout.order(), caps)
 
     def _apply(self, cap: float) -> None:
-        self.reducer.layout.replan(self._order(), (cap, first_cap(cap, self.first_bucket_cap_mb)))
-
-    def _order(self) -> list[int]:
-        # no observed order (find_unused_parameters keeps registration order): plan_buckets' default walk
-        return self.reducer.store.plan_order or list(range(len(self.reducer.params) - 1, -1, -1))
+        self.reducer.layout.replan(self.reducer.layout.order(), (cap, first_cap(cap, self.first_bucket_cap_mb)))
 
 
 def syncs_to_choose(candidates: int) -> int:

@@ -153,12 +153,13 @@ class BucketLauncher:
 
     def result(self, bucket: Bucket) -> torch.Tensor:
         """Wait for ``bucket``'s collective; return the reduced tensor (checked against the bucket)."""
-        reduced = self._result(bucket)
+        reduced = self.reduced(bucket)
         if self.plane.replicas is not None:  # check_replicas: fingerprinted while later buckets still travel
             self.plane.replicas.arrived(bucket.index, reduced)
         return reduced
 
-    def _result(self, bucket: Bucket) -> torch.Tensor:
+    def reduced(self, bucket: Bucket) -> torch.Tensor:
+        """``result`` without the replicas' fingerprint: what a launcher of another reduction overrides."""
         handle = bucket.handle
         self.plane.wait(handle, f"bucket {bucket.index}")
         if not isinstance(handle, Future):

@@ -84,6 +84,10 @@ class Layout:
         self.rebuilt = not store.replans  # the one re-plan from observation happened (or never will)
         self.auto: Any = None  # AutoCaps while bucket_cap_mb="auto" has not chosen
 
+    def order(self) -> list[int]:
+        """The order the buckets are planned in: the one every rank agreed on, else plan_buckets' default walk."""
+        return self.store.plan_order or list(range(len(self.store.params) - 1, -1, -1))
+
     def keep_registration_order(self) -> None:
         """Never re-plan from an observed order (its broadcast could complete on some members only)."""
         self.rebuilt, self.ready_order = True, None

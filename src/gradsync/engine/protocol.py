@@ -121,7 +121,7 @@ class Attachment:
         r = self.reducer
         if r.auto_caps is not None and state["auto"] is not None:
             r.auto_caps.load_state(state["auto"])
-        r.layout.replan(r.store.plan_order or list(range(len(r.params) - 1, -1, -1)), tuple(state["caps"]))
+        r.layout.replan(r.layout.order(), tuple(state["caps"]))
 
 
 __all__ = ["Attachment", "CommitProtocol", "attach"]

@@ -115,8 +115,9 @@ def reduce_again_without(r: Any, flags: dict[int, int]) -> list[Any]:
         raise SyncError(
             f"gradsync: rank(s) {failed} failed part-way through synced backward {r.sync_count}, after "
             "sending some of their buckets. With ShardedDataParallel or overlap_optimizer a rank's window is "
-            "not kept apart from its buckets, so it cannot be reduced again without the failed rank. No gradient was written back: call optimizer.zero_grad() and run "
-            "the window again (or skip only failures before the window's last backward).")
+            "not kept apart from its buckets, so it cannot be reduced again without the failed rank. No gradient "
+            "was written back: call optimizer.zero_grad() and run the window again (or skip only failures before "
+            "the window's last backward).")
     if r.rank in failed:
         store.drop_local()
         r.window_used = [False] * len(r.params)

@@ -33,7 +33,7 @@ import torch
 from .measure import mmap_large_allocations, reduce_values, reset_peak_rss, round_order, run_window, status_kib
 from .models import Engine, ModelSpec
 
-__all__ = ["RESULTS", "round_order", "run_window", "reduce_values", "reduce_max", "time_variants", "with_aa", "paired",
+__all__ = ["RESULTS", "round_order", "run_window", "reduce_values", "reduce_max", "time_variants", "with_aa", "paired", "paired_cells",
            "quartiles", "spread", "describe", "machine_info", "LoadWatch", "record_stem", "write_record",
            "timing_parser", "run_paired_benchmark", "status_kib", "reset_peak_rss", "mmap_large_allocations"]
 
@@ -105,6 +105,13 @@ def paired(times: dict[str, list[float]], base: str) -> dict:
             "ratio_iqr": {n: quartiles(r) for n, r in per_round.items()},
             "noise_ms": 1e3 * statistics.median(abs(a - b) for a, b in zip(ref, ref[1:] + ref[:1])),
             "raw": times}
+
+
+def paired_cells(row: dict, name: str, aa: str) -> str:
+    """A ``paired`` row's markdown cells: ``name``'s ratio [IQR] | its paired cost ms | ``aa``'s ratio [IQR] | noise ms."""
+    q, iqr = row["paired_ratio"], row["ratio_iqr"]
+    return (f"{q[name]:.3f} [{iqr[name][0]:.3f}-{iqr[name][1]:.3f}] | {row['paired_diff_ms'][name]:+.2f} | "
+            f"{q[aa]:.3f} [{iqr[aa][0]:.3f}-{iqr[aa][1]:.3f}] | {row['noise_ms']:.2f}")
 
 
 # ---------------------------------------------------------------- the machine
