@@ -15,7 +15,7 @@ import torch
 
 import gradsync
 
-POINTS = ["forward", "local_backward", "before_reductions", "during_reductions", "after_reductions",
+POINTS = ["forward", "freeze", "local_backward", "before_reductions", "during_reductions", "after_reductions",
           "after_commit", "optimizer_step", "corrupt", "auto_gather", "none"]
 
 
@@ -52,12 +52,23 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def refusals() -> int:
+    return gradsync.elastic.membership.membership().store.add("gradsync/join/refusals", 0)
+
+
+def freeze(out: str) -> None:
+    """SIGSTOP this process (its heartbeat thread too); the drill sends SIGCONT once the others went on."""
+    with open(os.path.join(out, "frozen.pid"), "w") as f:
+        f.write(str(os.getpid()))
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--windows", type=int, default=4)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--victim", type=int, default=-1)
+    parser.add_argument("--victim", default="-1")
     parser.add_argument("--window", type=int, default=1)
     parser.add_argument("--point", choices=POINTS, default="none")
     parser.add_argument("--items", action="store_true", help="sum losses with num_items, uneven micro-batches")
@@ -66,6 +77,8 @@ def main() -> None:
                         "through gradsync.elastic.ElasticSampler")
     parser.add_argument("--global-batch", type=int, default=None, help="with --sampler: samples per window")
     parser.add_argument("--until-full", type=int, default=0, help="go on past --windows until this many members")
+    parser.add_argument("--until-refused", type=int, default=0, help="go on past --windows until this many "
+                        "replicas were refused at admission")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds at each window's start (a slower job)")
     parser.add_argument("--kill-launcher", action="store_true", help="the victim kills its launcher too")
     parser.add_argument("--buffers", action="store_true", help="a model with buffers, broadcast at every forward")
@@ -84,9 +97,13 @@ def main() -> None:
     args = parser.parse_args()
     global KILL_LAUNCHER
     KILL_LAUNCHER = args.kill_launcher
-    me = int(os.environ["GRADSYNC_REPLICA_ID"])
-    victim = me == args.victim and int(os.environ["GRADSYNC_RESTART"]) == 0
     gradsync.elastic.init_process_group("gloo", timeout=30)
+    me = gradsync.elastic.replica_id()
+    # --victim is a replica id, or GROUP:LOCAL_RANK under a launcher that assigns no ids (torchrun)
+    where = f"{os.environ.get('GRADSYNC_GROUP')}:{os.environ.get('LOCAL_RANK')}"
+    victim = args.victim in (str(me), where) and gradsync.elastic.membership.membership().restart == 0
+    if "GRADSYNC_GROUP" in os.environ:  # a record of every start, for the launcher drills
+        open(os.path.join(args.out, f"start-{where}-{os.getpid()}"), "w").close()
 
     net = build_model(args.buffers, args.width).to(torch.bfloat16 if args.bf16 else torch.float32)
     # one bucket per parameter: a kill between two buckets' all-reduces is a real point
@@ -114,6 +131,7 @@ def main() -> None:
 
     kill_step = "last" if args.kill_step is None else args.kill_step
     net.register_forward_pre_hook(lambda *_: die() if at("forward", kill_step) else None)
+    net.register_forward_pre_hook(lambda *_: freeze(args.out) if at("freeze", kill_step) else None)
     if victim and args.point == "during_reductions":  # after the header and the first bucket's all-reduce
         all_reduce, calls = torch.distributed.all_reduce, []
 
@@ -161,7 +179,7 @@ def main() -> None:
         # with --until-full the members go on, together, until the replica that rejoins is back: the
         # test does not depend on how long a restart takes on a loaded machine
         while not (acc.is_boundary and acc.windows >= args.windows
-                   and len(gradsync.elastic.members()) >= args.until_full):
+                   and len(gradsync.elastic.members()) >= args.until_full and refusals() >= args.until_refused):
             with acc.accumulate():  # a replica that joins gets the members' state here
                 yield acc.windows - 1, acc.micro_step, *micro_batch(me, acc.windows - 1, acc.micro_step, args.items)
 

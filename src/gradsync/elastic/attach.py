@@ -21,32 +21,39 @@ import torch.distributed as dist
 
 from .. import process
 from ..engine.protocol import attach
+from .identity import Liveness, identify
 from .join import at_boundary
 from .membership import StoreMembership, log
 
 
 def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60.0) -> None:
-    """Join the job that ``gradsync run`` launched and make its group torch's default process group.
+    """Join the elastic job at ``GRADSYNC_COORDINATOR`` and make its group torch's default process group.
 
-    Returns once every replica of the launch has arrived (generation 0). A gradsync model built
-    afterwards without ``process_group=`` follows every membership change. ``timeout`` bounds
-    every wait (seconds or a timedelta)."""
+    The replicas are started by ``gradsync run``, or by any launcher (``torchrun``, ``srun``, a
+    Kubernetes pod) with ``GRADSYNC_COORDINATOR`` pointing at a ``gradsync coordinator``. Returns once
+    every replica of the job has arrived (generation 0), or at once for a replica that arrives later
+    (it joins at a window boundary). A gradsync model built afterwards without ``process_group=``
+    follows every membership change. ``timeout`` bounds every wait (seconds or a timedelta)."""
     if process.state.replica is not None:
         raise RuntimeError("gradsync: gradsync.elastic.init_process_group() was already called in this process")
     env = os.environ
     if "GRADSYNC_COORDINATOR" not in env:
         raise RuntimeError("gradsync: gradsync.elastic.init_process_group() needs the replicas started by "
-                           "`gradsync run --replicas N script.py` (GRADSYNC_COORDINATOR is not set)")
+                           "`gradsync run --replicas N script.py`, or GRADSYNC_COORDINATOR=HOST:PORT of a "
+                           "`gradsync coordinator` (e.g. under torchrun); GRADSYNC_COORDINATOR is not set")
     if dist.is_initialized():
         raise RuntimeError("gradsync: torch.distributed is already initialized; with gradsync.elastic the "
                            "script makes no init_process_group() call of its own")
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    host, _, port = env["GRADSYNC_COORDINATOR"].rpartition(":")
+    address = env["GRADSYNC_COORDINATOR"]
+    host, _, port = address.rpartition(":")
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
-    m = StoreMembership(store, backend=backend, replica_id=int(env["GRADSYNC_REPLICA_ID"]),
-                        restart=int(env.get("GRADSYNC_RESTART", "0")), replicas=int(env["GRADSYNC_REPLICAS"]),
-                        min_replicas=int(env.get("GRADSYNC_MIN_REPLICAS", "1")), timeout=timeout,
-                        machine=int(env.get("GRADSYNC_MACHINE", "0")))
+    me = identify(store, env, address, timeout)
+    liveness = Liveness(host, int(port), me, store) if me.machine < 0 else None
+    m = StoreMembership(store, backend=backend, replica_id=me.replica_id, restart=me.restart, replicas=me.replicas,
+                        min_replicas=me.min_replicas, timeout=timeout, machine=me.machine)
+    if liveness is not None:
+        m.liveness, liveness.graveyard = liveness, m.graveyard
     m.form_first()
     install(m)
     if not log.handlers and not logging.getLogger().handlers:  # one line per change, on stderr

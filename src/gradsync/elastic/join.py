@@ -12,6 +12,7 @@ membership's events and whatever was registered with ``gradsync.elastic.register
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import logging
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from .. import process
 from ..ddp.construct import broadcast_coalesced
 from ..engine.errors import PeerFailure
+from .identity import FAILED, FINISHED, AdmissionError
 from .membership import P, MembershipError, MembershipEvent
 
 log = logging.getLogger("gradsync.elastic")
@@ -51,7 +53,8 @@ def admit(m: Any, acc: Any, reducer: Any) -> None:
     requests = [m.store.get(f"{P}/join/req/{n}").decode() for n in range(m.joins_seen + 1, agreed + 1)]
     m.joins_seen = agreed
     joiners = dict(tuple(int(v) for v in req.split(":")) for req in requests)  # id -> restart (the latest)
-    joiners = {r: s for r, s in joiners.items() if r not in m.members and not m.store.check([f"{P}/exit/{r}/{s}"])}
+    joiners = {r: s for r, s in joiners.items() if r not in m.members and not m.store.check([f"{P}/exit/{r}/{s}"])
+               and admissible(m, acc.model, r, s)}
     if not joiners:
         return
     start, g, source = time.monotonic(), m.generation + 1, m.members[0]
@@ -72,15 +75,22 @@ def admit(m: Any, acc: Any, reducer: Any) -> None:
 
 def join(m: Any, acc: Any, reducer: Any) -> None:
     start = time.monotonic()
+    me = f"{m.replica_id}/{m.restart}"
+    m.store.set(f"{P}/join/fingerprint/{me}", json.dumps(fingerprint(acc.model)))  # before the request
     n = m.store.add(f"{P}/join/count", 1)
     m.store.set(f"{P}/join/req/{n}", f"{m.replica_id}:{m.restart}")
     m.store.set(f"{P}/waiting/{m.replica_id}", str(m.restart))  # the launcher ends it if the job ends first
     log.warning("gradsync.elastic: replica %d (restart %d) asks to join", m.replica_id, m.restart)
-    key = f"{P}/admitted/{m.replica_id}/{m.restart}"
+    key = f"{P}/admitted/{me}"
     while not m.store.check([key]):
-        if m.store.check([f"{P}/job/failed"]):
+        if m.store.check([FAILED]):
             raise MembershipError(f"gradsync: the job failed before replica {m.replica_id} could join: "
-                                  f"{m.store.get(f'{P}/job/failed').decode()}")
+                                  f"{m.store.get(FAILED).decode()}")
+        if m.store.check([f"{P}/refused/{me}"]):
+            raise AdmissionError(m.store.get(f"{P}/refused/{me}").decode())
+        if m.store.check([FINISHED]) and m.liveness is not None:  # no launcher ends it: it ends itself
+            log.warning("gradsync.elastic: the job finished before replica %d could join", m.replica_id)
+            raise SystemExit(0)
         time.sleep(POLL)
     m.join_waits.append(time.monotonic() - start)  # asking to admitted: up to one window of the members
     start = time.monotonic()
@@ -94,6 +104,38 @@ def join(m: Any, acc: Any, reducer: Any) -> None:
     except (RuntimeError, dist.DistError) as exc:
         raise MembershipError(f"gradsync: replica {m.replica_id} could not join generation {g}: {exc}") from exc
     record(m, int(g), acc.windows, [m.replica_id], start, sent)
+
+
+def fingerprint(model: Any) -> dict[str, Any]:
+    """What every replica must agree on: the model's parameters and buffers (names, shapes, dtypes) and the
+    wrapper's options."""
+    config = model.reducer.config
+    tensors = [("parameter", n, t) for n, t in model.module.named_parameters()]
+    tensors += [("buffer", n, t) for n, t in model.module.named_buffers()]
+    return {"tensors": {f"{kind} {name!r}": f"{tuple(t.shape)} {t.dtype} requires_grad={t.requires_grad}"
+                        for kind, name, t in tensors},
+            "options": {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config) if f.name != "timeout"}}
+
+
+def admissible(m: Any, model: Any, r: int, s: int) -> bool:
+    """Whether joiner ``r`` (start ``s``) runs what the members run; if not, say why in the store. Every member
+    decides alike: their models agree, and they read the same fingerprint."""
+    theirs = json.loads(m.store.get(f"{P}/join/fingerprint/{r}/{s}"))
+    ours = fingerprint(model)
+    differences = [f"{name}: {theirs[part].get(name, 'absent')} on replica {r}, {ours[part].get(name, 'absent')} "
+                   "on the members" for part in ("tensors", "options")
+                   for name in sorted(set(ours[part]) | set(theirs[part]))
+                   if theirs[part].get(name) != ours[part].get(name)]
+    if not differences:
+        return True
+    shown = "; ".join(differences[:5]) + (f"; and {len(differences) - 5} more" if len(differences) > 5 else "")
+    reason = (f"gradsync: replica {r} was refused at admission: its model or options differ from the members' "
+              f"({shown}). Every replica must run the same script and version")
+    m.store.set(f"{P}/refused/{r}/{s}", reason)
+    if m.store.add(f"{P}/refusing/{r}/{s}", 1) == 1:  # counted once, by the first member to refuse it
+        m.store.add(f"{P}/join/refusals", 1)
+    log.warning("%s", reason)
+    return False
 
 
 def state_of(m: Any, acc: Any, reducer: Any) -> dict[str, Any]:

@@ -32,7 +32,7 @@ from ..engine.errors import PeerFailure, SyncError
 
 P = "gradsync"
 SLICE = 0.1  # seconds between looks at the store while a collective or a vote is not done
-STALE = 5.0  # a launcher whose heartbeat (every 0.5 s) stood still this long is taken for dead, with its machine
+STALE = 5.0  # a heartbeat (every 0.5 s) that stood still this long: its launcher's replicas, or its replica, are gone
 log = logging.getLogger("gradsync.elastic")
 
 
@@ -65,7 +65,7 @@ class StoreMembership:
         self.members: list[int] = []
         self.incarnation: dict[int, int] = {}  # member id -> its restart count in this generation
         self.machine_of: dict[int, int] = {}  # member id -> its launcher
-        self._beats: dict[int, tuple[int, float]] = {}  # launcher -> (heartbeat, when it last moved)
+        self._beats: dict[str, tuple[int, float]] = {}  # heartbeat key -> (its count, when it last moved)
         self.events: list[MembershipEvent] = []
         self.joining = False  # arrived after the job started and not admitted yet (elastic_join.py)
         self.joins_seen = 0  # join requests this member has decided on
@@ -75,6 +75,7 @@ class StoreMembership:
         self.graveyard: list[Any] = []  # earlier groups, kept referenced (see detach_default_group)
         self._failed_at: float | None = None
         self.window_source: Any = None  # a weak method of the accumulator: (windows started, planned), attach.py
+        self.liveness: Any = None  # a launcher-less replica's heartbeat and exit report (identity.py)
 
     def key(self, name: str, generation: int | None = None) -> str:
         return f"{P}/gen{self.generation if generation is None else generation}/{name}"
@@ -150,12 +151,14 @@ class StoreMembership:
         if self.store.check([f"{P}/exit/{m}/{self.incarnation.get(m, -1)}"]):
             return True
         machine = self.machine_of.get(m)
-        if machine is None or machine == self.machine:
+        if machine is None or machine == self.machine >= 0:
             return False
-        beat, now = self.store.add(f"{P}/heartbeat/{machine}", 0), time.monotonic()
-        last = self._beats.get(machine)
+        # a replica without a launcher beats itself (identity.py); else its launcher beats for it
+        key = f"{P}/beat/{m}/{self.incarnation.get(m, -1)}" if machine < 0 else f"{P}/heartbeat/{machine}"
+        beat, now = self.store.add(key, 0), time.monotonic()
+        last = self._beats.get(key)
         if last is None or last[0] != beat:
-            self._beats[machine] = (beat, now)
+            self._beats[key] = (beat, now)
             return False
         return beat > 0 and now - last[1] > STALE
 
@@ -262,6 +265,11 @@ def register(name: str, obj: Any) -> None:
     _current().registered[str(name)] = obj
 
 
+def replica_id() -> int:
+    """This replica's id: unique in the job and the same across its restarts."""
+    return _current().replica_id
+
+
 def members() -> list[int]:
     """The sorted replica ids of the current membership, the same on every member."""
     return list(_current().members)
@@ -273,4 +281,4 @@ def events() -> list[MembershipEvent]:
 
 
 __all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "members", "membership",
-           "register"]
+           "register", "replica_id"]

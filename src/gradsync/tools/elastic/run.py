@@ -24,11 +24,14 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID
+from gradsync.tools.elastic.coordinator import host_store
 from gradsync.tools.elastic.forkserver import Forked, ForkServer, supported
 
 POLL_S = 0.02  # a death is on the critical path of recovery: report it within tens of ms
@@ -36,7 +39,6 @@ HEARTBEAT_S = 0.5
 GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 CONNECT_S = 60.0
 STALE_S = 5.0  # a launcher whose heartbeat stood still this long is gone (gradsync.elastic.STALE)
-FINISHED, FAILED = "gradsync/job/finished", "gradsync/job/failed"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -72,22 +74,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def connect(coordinator: str | None) -> tuple[dist.TCPStore, str, bool]:
-    """Host or join the coordinator store; return it, its address and whether this process hosts it."""
+def connect(coordinator: str | None) -> tuple[dist.TCPStore, str, socket.socket | None]:
+    """Host or join the coordinator store; return it, its address and, where this process hosts it, the
+    socket its server listens on (keep it open)."""
     if coordinator is None:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        return store, f"127.0.0.1:{store.port}", True
+        store, sock = host_store("127.0.0.1", 0)
+        return store, f"127.0.0.1:{store.port}", sock
     host, _, port_text = coordinator.rpartition(":")
     port = int(port_text)
-    # TCPStore's server listens on every interface whatever the host, so only try to host it
-    # where HOST names this machine; otherwise every machine would host its own store.
+    # only try to host it where HOST names this machine; otherwise every machine would host its own store
     if _is_local(host):
         try:
-            return dist.TCPStore(host, port, is_master=True, wait_for_workers=False), coordinator, True
+            store, sock = host_store(socket.gethostbyname(host), port)
+            return store, coordinator, sock
         except (RuntimeError, OSError):
             pass  # another launcher on this machine hosts it
     # the client retries connecting until its timeout: the host's launcher may start later
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_S)), coordinator, False
+    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_S)), coordinator, None
 
 
 def _is_local(host: str) -> bool:
@@ -137,7 +140,11 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace, server: ForkServer | None) -> None:
-    store, address, hosting = connect(args.coordinator)
+    store, address, sock = connect(args.coordinator)
+    hosting = sock is not None
+    if hosting:
+        store.set(JOB_ID, os.environ.get("GRADSYNC_JOB_ID") or uuid.uuid4().hex[:12])
+    store.wait([JOB_ID])
     machine = store.add("gradsync/machines", 1) - 1
     late = store.check(["gradsync/job/started"])  # its replicas join the running job with new ids
     if machine >= args.machines and not late:
@@ -152,7 +159,8 @@ def run(args: argparse.Namespace, server: ForkServer | None) -> None:
         store.set("gradsync/replicas", str(total))
         store.set("gradsync/min_replicas", str(args.min_replicas))
     base_env = {**os.environ, "GRADSYNC_COORDINATOR": address, "GRADSYNC_REPLICAS": str(total),
-                "GRADSYNC_MIN_REPLICAS": str(args.min_replicas), "GRADSYNC_MACHINE": str(machine)}
+                "GRADSYNC_MIN_REPLICAS": str(args.min_replicas), "GRADSYNC_MACHINE": str(machine),
+                "GRADSYNC_JOB_ID": store.get(JOB_ID).decode()}
 
     def start(rid: int, restart: int) -> subprocess.Popen | Forked:
         env = {**base_env, "GRADSYNC_REPLICA_ID": str(rid), "GRADSYNC_RESTART": str(restart)}

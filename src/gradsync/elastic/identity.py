@@ -1,0 +1,151 @@
+"""Who a replica is, and how the others learn that it is gone, with or without ``gradsync run``.
+
+``gradsync run`` gives each replica its id, restart count and job in the environment and reports its
+exit. Under another launcher (``torchrun``, ``srun``, a Kubernetes pod) the replica finds out for
+itself from the coordinator (``gradsync coordinator``):
+
+- its **job**: the coordinator's job id; a replica whose ``GRADSYNC_JOB_ID`` names another job is refused;
+- its **replica id**: the coordinator hands out 0, 1, 2, ... in order of first arrival, one per
+  (``GRADSYNC_GROUP``, ``LOCAL_RANK``), and the same id again to that pair after a restart;
+- its **restart**: how many times that id started before (0 on the first start);
+- its **liveness**: a thread adds to ``gradsync/beat/<id>/<restart>`` every 0.5 s; a member whose beat
+  stood still for ``STALE`` seconds is taken for gone (a SIGKILLed or frozen process). The replica
+  also reports its own exit (``gradsync/exit/<id>/<restart>``) when it ends normally, by an uncaught
+  exception or by SIGTERM (what torchrun sends the rest of a group it restarts), so those cost no wait;
+  a failed replica, or one holding groups of earlier generations, then ends at once (``os._exit``, after
+  the atexit handlers registered after ``init_process_group``), not after gloo's timeout.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+
+from .membership import P, MembershipError
+
+BEAT_S = 0.5
+FINISHED, FAILED, JOB_ID = f"{P}/job/finished", f"{P}/job/failed", f"{P}/job/id"
+
+
+class AdmissionError(MembershipError):
+    """This process may not take part in the job at its coordinator (another job, a duplicate replica)."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    replica_id: int
+    restart: int
+    replicas: int
+    min_replicas: int
+    machine: int  # the gradsync run launcher it belongs to; -1: none (it beats and reports its own exit)
+    job_id: str
+
+
+def identify(store: dist.Store, env: Any, address: str, timeout: timedelta) -> Identity:
+    """This process's identity in the job at ``address``, from ``gradsync run``'s environment or the store."""
+    store.wait([JOB_ID], timeout)  # the coordinator writes it first: a replica may arrive before that
+    job = store.get(JOB_ID).decode()
+    mine = env.get("GRADSYNC_JOB_ID")
+    if mine and mine != job:
+        raise AdmissionError(f"gradsync: this replica belongs to job {mine!r} (GRADSYNC_JOB_ID), but the "
+                             f"coordinator at {address} runs job {job!r}; it was refused before it took part. "
+                             "Start it with its own job's coordinator, or set GRADSYNC_JOB_ID to this one's")
+    if "GRADSYNC_REPLICA_ID" in env:  # gradsync run
+        return Identity(int(env["GRADSYNC_REPLICA_ID"]), int(env.get("GRADSYNC_RESTART", "0")),
+                        int(env["GRADSYNC_REPLICAS"]), int(env.get("GRADSYNC_MIN_REPLICAS", "1")),
+                        int(env.get("GRADSYNC_MACHINE", "0")), job)
+    group = env.get("GRADSYNC_GROUP") or socket.gethostname()
+    local = int(env.get("LOCAL_RANK", "0"))
+    key = f"{P}/replica_of/{group}/{local}"
+    if store.check([key]):
+        rid = int(store.get(key))
+        _refuse_a_twin(store, rid, group, local)
+    else:  # first arrival of this (group, local rank): the next free id
+        rid = int(store.compare_set(key, "", str(store.add(f"{P}/ids", 1) - 1)))
+    restart = store.add(f"{P}/incarnation/{rid}", 1) - 1
+    store.wait([f"{P}/replicas", f"{P}/min_replicas"], timeout)
+    return Identity(rid, restart, int(store.get(f"{P}/replicas")), int(store.get(f"{P}/min_replicas")), -1, job)
+
+
+def _refuse_a_twin(store: dist.Store, rid: int, group: str, local: int) -> None:
+    """Refuse to be replica ``rid`` while its previous start still beats (two launchers with one group name)."""
+    before = store.add(f"{P}/incarnation/{rid}", 0) - 1
+    if before < 0 or store.check([f"{P}/exit/{rid}/{before}"]):
+        return
+    beat = store.add(f"{P}/beat/{rid}/{before}", 0)
+    time.sleep(3 * BEAT_S)
+    if store.add(f"{P}/beat/{rid}/{before}", 0) != beat:
+        raise AdmissionError(f"gradsync: replica {rid} (GRADSYNC_GROUP={group!r}, LOCAL_RANK={local}) is already "
+                             "running in this job; give each launcher (each torchrun) its own GRADSYNC_GROUP")
+
+
+class Liveness:
+    """A launcher-less replica's heartbeat and exit report."""
+
+    def __init__(self, host: str, port: int, ident: Identity, store: dist.Store):
+        self.store, self.exit_key = store, f"{P}/exit/{ident.replica_id}/{ident.restart}"
+        self.failed = False
+        self.graveyard: list[Any] = []  # the membership's earlier groups (membership.py)
+        # its own connection: the beat must not queue behind the main thread's store calls
+        beat_store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        key = f"{P}/beat/{ident.replica_id}/{ident.restart}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+        hook = sys.excepthook
+
+        def excepthook(*exc):
+            self.failed = True
+            hook(*exc)
+        sys.excepthook = excepthook
+        atexit.register(self.at_exit)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.on_sigterm)
+
+    def _beat(self, store: dist.Store, key: str) -> None:
+        while not self._stop.is_set():
+            try:
+                store.add(key, 1)
+            except Exception:  # the coordinator is gone: the main thread's next store call says so
+                return
+            self._stop.wait(BEAT_S)
+
+    def report(self, code: int) -> None:
+        self._stop.set()
+        try:
+            self.store.set(self.exit_key, str(code))
+            if code == 0:  # the script returned: the job is finished (the coordinator exits once all ended)
+                self.store.set(FINISHED, "1")
+        except Exception:
+            pass
+
+    def at_exit(self) -> None:
+        code = 1 if self.failed else 0
+        self.report(code)
+        if self.failed or self.graveyard:
+            # a group whose collective waits on a gone peer makes the interpreter's exit wait until gloo's
+            # timeout (its threads are joined), and torchrun restarts a group only once every worker ended
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+
+    def on_sigterm(self, signum, frame) -> None:
+        self.failed = True
+        self.report(128 + signum)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+
+
+__all__ = ["AdmissionError", "Identity", "Liveness", "identify"]

@@ -1,0 +1,113 @@
+"""``gradsync coordinator``: the store of an elastic job whose replicas another launcher starts.
+
+torchrun, ``srun`` or a Kubernetes Job starts the replicas, with ``GRADSYNC_COORDINATOR=HOST:PORT``
+pointing here; each finds its replica id, restart count and job in this store
+(``gradsync/elastic/identity.py``), beats in it, and reports its own exit. The coordinator holds no
+replica: run it on a host that outlives them. It exits 0 once the job has finished (the script
+returned on a member) and every replica has ended, 1 if the job failed.
+
+``host_store`` is also how ``gradsync run`` hosts its store.
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import sys
+import time
+import uuid
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID, P
+from gradsync.elastic.membership import STALE
+DRAIN_S = 60.0  # after the job ended, how long to wait for replicas to end before exiting anyway
+
+
+def host_store(host: str, port: int) -> tuple[dist.TCPStore, socket.socket]:
+    """Host torch's ``TCPStore`` listening on ``host`` only (torch's own server would listen on every
+    interface): the store has no authentication, so it listens where it is told. Keep the socket open:
+    the server listens on its descriptor."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(1024)
+        store = dist.TCPStore(host, sock.getsockname()[1], is_master=True, wait_for_workers=False,
+                              master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    return store, sock
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="gradsync coordinator", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1; give this host's private address for "
+                             "replicas on other machines: the store has no authentication)")
+    parser.add_argument("--port", type=int, default=29400, help="port to listen on (default 29400; 0: any free)")
+    parser.add_argument("--replicas", type=int, required=True, help="replicas that form the job at its start")
+    parser.add_argument("--min-replicas", type=int, default=1, help="fewest replicas the job may go on with")
+    parser.add_argument("--job-id", default=None, help="the job's id (default: a new random one); a replica whose "
+                        "GRADSYNC_JOB_ID names another job is refused")
+    args = parser.parse_args(argv)
+    if args.replicas < 1 or not 1 <= args.min_replicas <= args.replicas:
+        parser.error(f"need 1 <= --min-replicas <= --replicas, got {args.min_replicas} and {args.replicas}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    try:
+        store, sock = host_store(args.host, args.port)
+    except OSError as exc:
+        print(f"gradsync coordinator: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from exc
+    job = args.job_id or uuid.uuid4().hex[:12]
+    store.set(f"{P}/replicas", str(args.replicas))
+    store.set(f"{P}/min_replicas", str(args.min_replicas))
+    store.set(JOB_ID, job)
+    print(f"gradsync coordinator: listening on {args.host}:{store.port}, job {job}; waiting for {args.replicas} "
+          f"replicas (the job goes on with at least {args.min_replicas})", flush=True)
+    received: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: received.append(signum))
+    while not received and not store.check([FINISHED]) and not store.check([FAILED]):
+        time.sleep(0.1)
+    if received:
+        raise SystemExit(128 + received[0])
+    drain(store, received)
+    sock.close()
+    if store.check([FAILED]):
+        print(f"gradsync coordinator: the job failed: {store.get(FAILED).decode()}", file=sys.stderr)
+        raise SystemExit(1)
+    print(f"gradsync coordinator: job {job} finished", flush=True)
+
+
+def drain(store: dist.TCPStore, received: list[int]) -> None:
+    """Wait until every replica's latest start has reported its exit or stopped beating (bounded)."""
+    beats: dict[str, tuple[int, float]] = {}
+    deadline = time.monotonic() + DRAIN_S
+    while not received and time.monotonic() < deadline:
+        now, running = time.monotonic(), 0
+        for rid in range(store.add(f"{P}/ids", 0)):
+            start = store.add(f"{P}/incarnation/{rid}", 0) - 1
+            if start < 0 or store.check([f"{P}/exit/{rid}/{start}"]):
+                continue
+            key = f"{P}/beat/{rid}/{start}"
+            beat = store.add(key, 0)
+            if beat != beats.get(key, (None, 0.0))[0]:
+                beats[key] = (beat, now)
+            running += now - beats[key][1] <= STALE
+        if not running:
+            return
+        time.sleep(0.1)
+
+
+__all__ = ["host_store", "main"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,155 @@
+"""Elastic jobs under torchrun: ``gradsync coordinator`` and two torchruns of two workers each.
+
+A worker of one torchrun is SIGKILLed (or frozen by SIGSTOP) mid-run: that torchrun restarts its
+group, the other never restarts, and all four replicas finish bit-identical and equal (1e-5) to one
+process trained on exactly what was kept. Replicas of another job, or running another model, are
+refused at admission while the job goes on.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_elastic import STEPS, SCRIPT, agreeing, reference, survivors  # noqa: E402
+
+TIMEOUT = 240.0
+GRADSYNC = [sys.executable, "-c", "from gradsync.tools.cli import main; main()"]
+
+
+class Job:
+    """A coordinator and the launchers started against it; every process is ended when the test ends."""
+
+    def __init__(self, tmp_path: Path, replicas: int, min_replicas: int):
+        self.tmp, self.procs = tmp_path, {}
+        log = open(tmp_path / "coordinator.log", "w")
+        self.coordinator = subprocess.Popen([*GRADSYNC, "coordinator", "--port", "0", "--replicas", str(replicas),
+                                             "--min-replicas", str(min_replicas)], stdout=subprocess.PIPE,
+                                            stderr=log, text=True, start_new_session=True)
+        line = self.coordinator.stdout.readline()
+        found = re.search(r"listening on (\S+):(\d+), job (\w+)", line)
+        assert found, f"the coordinator said {line!r}"
+        self.address, self.job_id = f"{found[1]}:{found[2]}", found[3]
+
+    def env(self, group: str, **extra: str) -> dict[str, str]:
+        return {**os.environ, "GRADSYNC_COORDINATOR": self.address, "GRADSYNC_GROUP": group, "OMP_NUM_THREADS": "1",
+                **extra}
+
+    def torchrun(self, group: str, *script_args: str) -> None:
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                "--max-restarts", "2", "--monitor-interval", "0.1", str(SCRIPT), "--out", str(self.tmp),
+                "--steps", str(STEPS), *script_args]
+        self.start(group, argv, self.env(group))
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        with open(self.tmp / f"{name}.log", "w") as log:
+            self.procs[name] = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                                start_new_session=True)
+
+    def log(self, name: str) -> str:
+        return (self.tmp / f"{name}.log").read_text(errors="replace")
+
+    def wait(self, deadline: float) -> dict[str, int]:
+        """Every launcher's and the coordinator's exit code; fails at once when a launcher fails."""
+        procs = {**self.procs, "coordinator": self.coordinator}
+        while any(p.poll() is None for p in procs.values()):
+            failed = [n for n, p in self.procs.items() if p.poll() not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                why = f"{failed} failed" if failed else f"ran past {TIMEOUT:g}s"
+                pytest.fail(f"{why};\n" + "\n".join(f"--- {n} ---\n{self.log(n)[-3000:]}" for n in self.procs))
+            time.sleep(0.1)
+        return {name: p.returncode for name, p in procs.items()}
+
+    def close(self) -> None:
+        for proc in [*self.procs.values(), self.coordinator]:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+@pytest.fixture
+def job(tmp_path):
+    jobs = []
+    yield lambda replicas=4, min_replicas=2: jobs.append(Job(tmp_path, replicas, min_replicas)) or jobs[-1]
+    for j in jobs:
+        j.close()
+
+
+def starts(tmp_path: Path) -> dict[str, int]:
+    """Starts of each worker (GROUP:LOCAL_RANK), from the records every start writes."""
+    counts: dict[str, int] = {}
+    for f in tmp_path.glob("start-*"):
+        where = f.name.split("-")[1]
+        counts[where] = counts.get(where, 0) + 1
+    return counts
+
+
+def check_finished(tmp_path: Path, job: Job, codes: dict[str, int]) -> dict:
+    assert codes == {"a": 0, "b": 0, "coordinator": 0}, job.log("a")[-3000:] + job.log("b")[-3000:]
+    assert starts(tmp_path) == {"a:0": 2, "a:1": 2, "b:0": 1, "b:1": 1}  # torchrun a restarted its group once
+    first = agreeing(survivors(tmp_path), [0, 1, 2, 3], job.log("a"))
+    assert sorted(first["members"]) == [0, 1, 2, 3] and any(e["left"] for e in first["events"])
+    want = reference(first["events"], 4, windows=first["windows"])
+    for got, ref in zip(first["params"], want):
+        assert (got - ref).abs().max() <= 1e-5
+    return first
+
+
+def test_torchrun_a_killed_worker_restarts_only_its_group(tmp_path, job):
+    j = job()
+    deadline = time.monotonic() + TIMEOUT
+    for group in "ab":
+        j.torchrun(group, "--victim", "a:1", "--window", "1", "--point", "during_reductions", "--sleep", "0.05",
+                   "--until-full", "4")
+    check_finished(tmp_path, j, j.wait(deadline))
+
+
+def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, job):
+    """Replica a:1 stops (SIGSTOP, its heartbeat with it); the others leave it out once its beat stood still
+    for 5 s and go on; when it is continued it finds itself left out and exits, and torchrun restarts its group."""
+    j = job()
+    deadline = time.monotonic() + TIMEOUT
+    for group in "ab":
+        j.torchrun(group, "--victim", "a:1", "--window", "1", "--point", "freeze", "--sleep", "0.05",
+                   "--until-full", "4")
+    while "left in window" not in j.log("b"):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in j.procs.values()), j.log("b")[-3000:]
+        time.sleep(0.1)
+    os.kill(int((tmp_path / "frozen.pid").read_text()), signal.SIGCONT)
+    check_finished(tmp_path, j, j.wait(deadline))
+
+
+def test_admission_refuses_another_job_a_twin_and_another_model(tmp_path, job):
+    """Two replicas without a launcher run the job; a replica carrying another job id, a second process
+    claiming replica a:0, and a replica whose model is one layer wider are each refused with an error
+    that says why, and the job finishes as if they never came."""
+    j = job(replicas=2, min_replicas=1)
+    deadline = time.monotonic() + TIMEOUT
+    train = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS), "--sleep", "0.02"]
+    for local in "01":
+        j.start(f"a{local}", [*train, "--until-refused", "1"], j.env("a", LOCAL_RANK=local))
+    cases = {"other_job": ([], j.env("x", GRADSYNC_JOB_ID="another-job")),
+             "twin": ([], j.env("a", LOCAL_RANK="0")),
+             "wider": (["--width", "17"], j.env("w"))}
+    for name, (extra, env) in cases.items():
+        j.start(name, [*train, *extra], env)
+        code = j.procs.pop(name).wait(max(deadline - time.monotonic(), 1))
+        assert code == 1, j.log(name)[-3000:]
+    assert f"belongs to job 'another-job' (GRADSYNC_JOB_ID), but the coordinator at {j.address} runs job " \
+           f"'{j.job_id}'" in j.log("other_job")
+    assert re.search(r"replica [01] \(GRADSYNC_GROUP='a', LOCAL_RANK=0\) is already running", j.log("twin"))
+    wider = j.log("wider")
+    assert "replica 2 was refused at admission: its model or options differ from the members'" in wider, wider[-3000:]
+    assert "parameter '0.weight': (17, 8) torch.float32" in wider and "(16, 8) torch.float32" in wider
+    codes = j.wait(deadline)
+    assert codes == {"a0": 0, "a1": 0, "coordinator": 0}
+    first = agreeing(survivors(tmp_path), [0, 1], j.log("a0"))
+    assert first["events"] == []
+    want = reference([], 2, windows=first["windows"])
+    for got, ref in zip(first["params"], want):
+        assert (got - ref).abs().max() <= 1e-5
