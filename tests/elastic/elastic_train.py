@@ -9,6 +9,7 @@ import ast
 import dataclasses
 import os
 import signal
+import socket
 import time
 
 import torch
@@ -100,9 +101,9 @@ def main() -> None:
     gradsync.elastic.init_process_group("gloo", timeout=30)
     me = gradsync.elastic.replica_id()
     # --victim is a replica id, or GROUP:LOCAL_RANK under a launcher that assigns no ids (torchrun)
-    where = f"{os.environ.get('GRADSYNC_GROUP')}:{os.environ.get('LOCAL_RANK')}"
+    where = f"{os.environ.get('GRADSYNC_GROUP') or socket.gethostname()}:{os.environ.get('LOCAL_RANK')}"
     victim = args.victim in (str(me), where) and gradsync.elastic.membership.membership().restart == 0
-    if "GRADSYNC_GROUP" in os.environ:  # a record of every start, for the launcher drills
+    if "GRADSYNC_REPLICA_ID" not in os.environ:  # a record of every start, for the launcher drills
         open(os.path.join(args.out, f"start-{where}-{os.getpid()}"), "w").close()
 
     net = build_model(args.buffers, args.width).to(torch.bfloat16 if args.bf16 else torch.float32)

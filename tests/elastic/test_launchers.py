@@ -109,6 +109,7 @@ def test_torchrun_a_killed_worker_restarts_only_its_group(tmp_path, job):
     check_finished(tmp_path, j, j.wait(deadline))
 
 
+@pytest.mark.slow  # a 5 s heartbeat timeout, then a restart: about 40 s
 def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, job):
     """Replica a:1 stops (SIGSTOP, its heartbeat with it); the others leave it out once its beat stood still
     for 5 s and go on; when it is continued it finds itself left out and exits, and torchrun restarts its group."""
@@ -153,3 +154,24 @@ def test_admission_refuses_another_job_a_twin_and_another_model(tmp_path, job):
     want = reference([], 2, windows=first["windows"])
     for got, ref in zip(first["params"], want):
         assert (got - ref).abs().max() <= 1e-5
+
+
+@pytest.mark.slow  # 20 s of windows beside two busy processes
+def test_no_false_eviction_beside_two_cpu_bound_processes(tmp_path, job):
+    """Two replicas without a launcher train for 20 s (four heartbeat timeouts) while two processes spin on
+    this machine's cores: no replica is taken for gone."""
+    j = job(replicas=2, min_replicas=1)
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        for local in "01":
+            j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
+                                  "--windows", "200", "--sleep", "0.1"], j.env("a", LOCAL_RANK=local))
+        codes = j.wait(deadline)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert codes == {"a0": 0, "a1": 0, "coordinator": 0}, j.log("a0")[-3000:]
+    first = agreeing(survivors(tmp_path), [0, 1], j.log("a0"))
+    assert first["events"] == [] and first["windows"] == 200
