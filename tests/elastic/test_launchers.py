@@ -175,3 +175,23 @@ def test_no_false_eviction_beside_two_cpu_bound_processes(tmp_path, job):
     assert codes == {"a0": 0, "a1": 0, "coordinator": 0}, j.log("a0")[-3000:]
     first = agreeing(survivors(tmp_path), [0, 1], j.log("a0"))
     assert first["events"] == [] and first["windows"] == 200
+
+
+def test_kubernetes_manifest_runs_the_coordinator_and_sets_what_replicas_read():
+    """The manifest is not applied here (no cluster); its commands and environment are the ones gradsync reads."""
+    yaml = pytest.importorskip("yaml")
+    from gradsync.tools.elastic.coordinator import parse_args
+    docs = {(d["kind"], d["metadata"]["name"]): d for d in
+            yaml.safe_load_all((Path(__file__).parents[2] / "examples/launchers/kubernetes.yaml").read_text())}
+    coordinator = docs["Job", "gradsync-coordinator"]["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert coordinator[:2] == ["gradsync", "coordinator"]
+    args = parse_args(coordinator[2:])
+    assert docs["Service", "gradsync-coordinator"]["spec"]["ports"][0]["targetPort"] == args.port
+    replicas = docs["Job", "gradsync-replicas"]["spec"]
+    assert replicas["completionMode"] == "Indexed" and replicas["completions"] == args.replicas
+    pod = replicas["template"]["spec"]
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert pod["restartPolicy"] == "OnFailure" and set(env) == {"GRADSYNC_COORDINATOR", "GRADSYNC_JOB_ID",
+                                                                 "GRADSYNC_GROUP", "LOCAL_RANK"}
+    assert env["GRADSYNC_COORDINATOR"]["value"] == f"gradsync-coordinator:{args.port}"
+    assert env["GRADSYNC_JOB_ID"]["value"] == args.job_id
