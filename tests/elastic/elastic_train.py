@@ -53,6 +53,16 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def hold(joiners: int) -> None:
+    """While the job is short of members, wait until ``joiners`` replicas asked to join (ever): the members
+    then admit them together at the next boundary."""
+    m = gradsync.elastic.membership.membership()
+    deadline = time.monotonic() + 60
+    while joiners and not m.joining and m.store.add("gradsync/join/count", 0) < joiners:
+        assert time.monotonic() < deadline, f"{joiners} replicas did not ask to join within 60 s"
+        time.sleep(0.01)
+
+
 def refusals() -> int:
     return gradsync.elastic.membership.membership().store.add("gradsync/join/refusals", 0)
 
@@ -78,6 +88,8 @@ def main() -> None:
                         "through gradsync.elastic.ElasticSampler")
     parser.add_argument("--global-batch", type=int, default=None, help="with --sampler: samples per window")
     parser.add_argument("--until-full", type=int, default=0, help="go on past --windows until this many members")
+    parser.add_argument("--admit-together", type=int, default=0, help="members wait at a boundary until this "
+                        "many join requests were made (ever), so they are admitted together")
     parser.add_argument("--until-refused", type=int, default=0, help="go on past --windows until this many "
                         "replicas were refused at admission")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds at each window's start (a slower job)")
@@ -181,6 +193,7 @@ def main() -> None:
         # test does not depend on how long a restart takes on a loaded machine
         while not (acc.is_boundary and acc.windows >= args.windows
                    and len(gradsync.elastic.members()) >= args.until_full and refusals() >= args.until_refused):
+            hold(args.admit_together if len(gradsync.elastic.members()) < args.until_full else 0)
             with acc.accumulate():  # a replica that joins gets the members' state here
                 yield acc.windows - 1, acc.micro_step, *micro_batch(me, acc.windows - 1, acc.micro_step, args.items)
 

@@ -5,12 +5,16 @@ group, the other never restarts, and all four replicas finish bit-identical and 
 process trained on exactly what was kept. Replicas of another job, or running another model, are
 refused at admission while the job goes on.
 """
+import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -25,16 +29,17 @@ GRADSYNC = [sys.executable, "-c", "from gradsync.tools.cli import main; main()"]
 class Job:
     """A coordinator and the launchers started against it; every process is ended when the test ends."""
 
-    def __init__(self, tmp_path: Path, replicas: int, min_replicas: int):
+    def __init__(self, tmp_path: Path, replicas: int, min_replicas: int, etcd: str | None = None):
         self.tmp, self.procs = tmp_path, {}
         log = open(tmp_path / "coordinator.log", "w")
-        self.coordinator = subprocess.Popen([*GRADSYNC, "coordinator", "--port", "0", "--replicas", str(replicas),
+        where = ["--coordinator", etcd] if etcd else ["--port", "0"]
+        self.coordinator = subprocess.Popen([*GRADSYNC, "coordinator", *where, "--replicas", str(replicas),
                                              "--min-replicas", str(min_replicas)], stdout=subprocess.PIPE,
                                             stderr=log, text=True, start_new_session=True)
         line = self.coordinator.stdout.readline()
-        found = re.search(r"listening on (\S+):(\d+), job (\w+)", line)
+        found = re.search(r"(listening on (\S+):(\d+)|etcd at \S+), job (\w+)", line)
         assert found, f"the coordinator said {line!r}"
-        self.address, self.job_id = f"{found[1]}:{found[2]}", found[3]
+        self.address, self.job_id = etcd or f"{found[2]}:{found[3]}", found[4]
 
     def env(self, group: str, **extra: str) -> dict[str, str]:
         return {**os.environ, "GRADSYNC_COORDINATOR": self.address, "GRADSYNC_GROUP": group, "OMP_NUM_THREADS": "1",
@@ -75,7 +80,7 @@ class Job:
 @pytest.fixture
 def job(tmp_path):
     jobs = []
-    yield lambda replicas=4, min_replicas=2: jobs.append(Job(tmp_path, replicas, min_replicas)) or jobs[-1]
+    yield lambda replicas=4, min_replicas=2, etcd=None: jobs.append(Job(tmp_path, replicas, min_replicas, etcd)) or jobs[-1]
     for j in jobs:
         j.close()
 
@@ -101,11 +106,13 @@ def check_finished(tmp_path: Path, job: Job, codes: dict[str, int]) -> dict:
 
 
 def test_torchrun_a_killed_worker_restarts_only_its_group(tmp_path, job):
+    """Replica a:1 is SIGKILLed with a bucket in flight; torchrun a restarts both its workers, which the members
+    admit together (every replica must then record the same event)."""
     j = job()
     deadline = time.monotonic() + TIMEOUT
     for group in "ab":
         j.torchrun(group, "--victim", "a:1", "--window", "1", "--point", "during_reductions", "--sleep", "0.05",
-                   "--until-full", "4")
+                   "--until-full", "4", "--admit-together", "2")  # the restarted group is admitted at once
     check_finished(tmp_path, j, j.wait(deadline))
 
 
@@ -195,3 +202,79 @@ def test_kubernetes_manifest_runs_the_coordinator_and_sets_what_replicas_read():
                                                                  "GRADSYNC_GROUP", "LOCAL_RANK"}
     assert env["GRADSYNC_COORDINATOR"]["value"] == f"gradsync-coordinator:{args.port}"
     assert env["GRADSYNC_JOB_ID"]["value"] == args.job_id
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def etcd_status(client: int) -> dict:
+    request = urllib.request.Request(f"http://127.0.0.1:{client}/v3/maintenance/status", data=b"{}", method="POST")
+    with urllib.request.urlopen(request, timeout=1) as answer:
+        return json.loads(answer.read())
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path):
+    """Three etcd members on loopback ports; yields {client port: process}."""
+    if shutil.which("etcd") is None:
+        pytest.skip("etcd is not installed here (Debian: apt-get install etcd-server)")
+    ports = free_ports(6)
+    clients, peers = ports[:3], ports[3:]
+    cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peers))
+    members = {}
+    for i, (client, peer) in enumerate(zip(clients, peers)):
+        members[client] = subprocess.Popen(
+            ["etcd", "--name", f"m{i}", "--data-dir", str(tmp_path / f"etcd{i}"),
+             "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
+             "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+             "--initial-cluster", cluster, "--initial-cluster-state", "new", "--initial-cluster-token", tmp_path.name],
+            stdout=subprocess.DEVNULL, stderr=open(tmp_path / f"etcd{i}.log", "w"))
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if all(etcd_status(c).get("leader") for c in clients):
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, (tmp_path / "etcd0.log").read_text()[-3000:]
+            time.sleep(0.1)
+        yield members
+    finally:
+        for proc in members.values():
+            proc.kill()
+            proc.wait()
+
+
+def test_etcd_coordinator_survives_its_leader_killed_without_losing_a_window(tmp_path, job, etcd_cluster):
+    """The job's store on three etcd members; its leader is SIGKILLed mid-run: the replicas fail over to the
+    other two (a new leader is elected), and the job finishes with no membership change and no window lost."""
+    address = "etcd://" + ",".join(f"127.0.0.1:{c}" for c in etcd_cluster) + "/drill"
+    j = job(replicas=2, min_replicas=1, etcd=address)
+    deadline = time.monotonic() + TIMEOUT
+    for local in "01":
+        j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
+                              "--windows", "80", "--sleep", "0.05"], j.env("a", LOCAL_RANK=local))
+    while len(list(tmp_path.glob("start-*"))) < 2:  # both replicas are in the job
+        assert time.monotonic() < deadline and all(p.poll() is None for p in j.procs.values()), j.log("a0")[-3000:]
+        time.sleep(0.1)
+    time.sleep(1.0)  # some windows in
+    status = etcd_status(next(iter(etcd_cluster)))
+    leader = next(c for c in etcd_cluster if etcd_status(c)["header"]["member_id"] == status["leader"])
+    assert all(p.poll() is None for p in j.procs.values()), "the job ended before the leader was killed"
+    etcd_cluster[leader].kill()
+    codes = j.wait(deadline)
+    assert codes == {"a0": 0, "a1": 0, "coordinator": 0}, j.log("a0")[-3000:]
+    first = agreeing(survivors(tmp_path), [0, 1], j.log("a0"))
+    assert first["events"] == [] and first["windows"] == 80
+    assert etcd_cluster[leader].poll() is not None  # it was dead before the job ended
+    want = reference([], 2, windows=80)
+    for got, ref in zip(first["params"], want):
+        assert (got - ref).abs().max() <= 1e-5

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .. import process
 from ..engine.protocol import attach
-from .identity import Liveness, identify
+from .identity import Liveness, connect, identify
 from .join import at_boundary
 from .membership import StoreMembership, log
 
@@ -46,10 +46,9 @@ def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60
                            "script makes no init_process_group() call of its own")
     timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
     address = env["GRADSYNC_COORDINATOR"]
-    host, _, port = address.rpartition(":")
-    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    store = connect(address, timeout)
     me = identify(store, env, address, timeout)
-    liveness = Liveness(host, int(port), me, store) if me.machine < 0 else None
+    liveness = Liveness(address, me, store) if me.machine < 0 else None
     m = StoreMembership(store, backend=backend, replica_id=me.replica_id, restart=me.restart, replicas=me.replicas,
                         min_replicas=me.min_replicas, timeout=timeout, machine=me.machine)
     if liveness is not None:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .etcd import EtcdStore, parse
 from .membership import P, MembershipError
 
 BEAT_S = 0.5
@@ -49,6 +50,18 @@ class Identity:
     min_replicas: int
     machine: int  # the gradsync run launcher it belongs to; -1: none (it beats and reports its own exit)
     job_id: str
+
+
+def connect(address: str, timeout: timedelta) -> dist.Store:
+    """A client of the job's store: ``HOST:PORT`` (a ``gradsync coordinator`` or ``gradsync run``'s
+    ``TCPStore``) or ``etcd://HOST:PORT,...[/PREFIX]`` (an etcd cluster, ``etcd.py``)."""
+    if address.startswith("etcd://"):
+        endpoints, prefix = parse(address)
+        return EtcdStore(endpoints, prefix, timeout)
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"gradsync: GRADSYNC_COORDINATOR must be HOST:PORT or etcd://HOST:PORT,..., got {address!r}")
+    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
 
 
 def identify(store: dist.Store, env: Any, address: str, timeout: timedelta) -> Identity:
@@ -92,12 +105,12 @@ def _refuse_a_twin(store: dist.Store, rid: int, group: str, local: int) -> None:
 class Liveness:
     """A launcher-less replica's heartbeat and exit report."""
 
-    def __init__(self, host: str, port: int, ident: Identity, store: dist.Store):
+    def __init__(self, address: str, ident: Identity, store: dist.Store):
         self.store, self.exit_key = store, f"{P}/exit/{ident.replica_id}/{ident.restart}"
         self.failed = False
         self.graveyard: list[Any] = []  # the membership's earlier groups (membership.py)
         # its own connection: the beat must not queue behind the main thread's store calls
-        beat_store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        beat_store = connect(address, timedelta(seconds=30))
         key = f"{P}/beat/{ident.replica_id}/{ident.restart}"
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat",
@@ -114,9 +127,11 @@ class Liveness:
             signal.signal(signal.SIGTERM, self.on_sigterm)
 
     def _beat(self, store: dist.Store, key: str) -> None:
+        beats = 0
         while not self._stop.is_set():
+            beats += 1
             try:
-                store.add(key, 1)
+                store.set(key, str(beats))  # a put, not an add: nothing to undo when an answer is lost
             except Exception:  # the coordinator is gone: the main thread's next store call says so
                 return
             self._stop.wait(BEAT_S)
@@ -148,4 +163,4 @@ class Liveness:
         os.kill(os.getpid(), signum)
 
 
-__all__ = ["AdmissionError", "Identity", "Liveness", "identify"]
+__all__ = ["AdmissionError", "Identity", "Liveness", "connect", "identify"]

@@ -60,7 +60,7 @@ def admit(m: Any, acc: Any, reducer: Any) -> None:
     start, g, source = time.monotonic(), m.generation + 1, m.members[0]
     ids = sorted(m.members + list(joiners))
     for r, s in joiners.items():
-        m.store.set(f"{P}/admitted/{r}/{s}", f"{g}:{json.dumps(ids)}:{source}")
+        m.store.set(f"{P}/admitted/{r}/{s}", f"{g}:{json.dumps(ids)}:{source}:{json.dumps(sorted(joiners))}")
     try:
         m.enter(g, ids)
         reducer.attached.regroup(dist.group.WORLD)
@@ -94,7 +94,7 @@ def join(m: Any, acc: Any, reducer: Any) -> None:
         time.sleep(POLL)
     m.join_waits.append(time.monotonic() - start)  # asking to admitted: up to one window of the members
     start = time.monotonic()
-    g, ids, source = m.store.get(key).decode().split(":")
+    g, ids, source, joined = m.store.get(key).decode().split(":")  # joined: everyone admitted with it
     m.store.set(f"{P}/waiting/{m.replica_id}", "admitted")
     m.joining = False
     try:
@@ -103,7 +103,7 @@ def join(m: Any, acc: Any, reducer: Any) -> None:
         sent = transfer(m, acc, reducer, int(source))
     except (RuntimeError, dist.DistError) as exc:
         raise MembershipError(f"gradsync: replica {m.replica_id} could not join generation {g}: {exc}") from exc
-    record(m, int(g), acc.windows, [m.replica_id], start, sent)
+    record(m, int(g), acc.windows, json.loads(joined), start, sent)
 
 
 def fingerprint(model: Any) -> dict[str, Any]:

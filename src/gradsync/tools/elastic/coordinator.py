@@ -3,7 +3,8 @@
 torchrun, ``srun`` or a Kubernetes Job starts the replicas, with ``GRADSYNC_COORDINATOR=HOST:PORT``
 pointing here; each finds its replica id, restart count and job in this store
 (``gradsync/elastic/identity.py``), beats in it, and reports its own exit. The coordinator holds no
-replica: run it on a host that outlives them. It exits 0 once the job has finished (the script
+replica: run it on a host that outlives them, or give it an etcd cluster (``--coordinator etcd://...``),
+which then holds the store and outlives any one host. It exits 0 once the job has finished (the script
 returned on a member) and every replica has ended, 1 if the job failed.
 
 ``host_store`` is also how ``gradsync run`` hosts its store.
@@ -20,7 +21,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID, P
+from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID, P, connect
 from gradsync.elastic.membership import STALE
 DRAIN_S = 60.0  # after the job ended, how long to wait for replicas to end before exiting anyway
 
@@ -50,9 +51,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=29400, help="port to listen on (default 29400; 0: any free)")
     parser.add_argument("--replicas", type=int, required=True, help="replicas that form the job at its start")
     parser.add_argument("--min-replicas", type=int, default=1, help="fewest replicas the job may go on with")
+    parser.add_argument("--coordinator", metavar="etcd://HOST:PORT,...[/PREFIX]", default=None,
+                        help="keep the job's store on this etcd cluster instead of hosting it: no host's death "
+                             "ends the job, this process's included (replicas get the same GRADSYNC_COORDINATOR)")
     parser.add_argument("--job-id", default=None, help="the job's id (default: a new random one); a replica whose "
                         "GRADSYNC_JOB_ID names another job is refused")
     args = parser.parse_args(argv)
+    if args.coordinator is not None and not args.coordinator.startswith("etcd://"):
+        parser.error(f"--coordinator must be etcd://HOST:PORT,...[/PREFIX], got {args.coordinator!r}")
     if args.replicas < 1 or not 1 <= args.min_replicas <= args.replicas:
         parser.error(f"need 1 <= --min-replicas <= --replicas, got {args.min_replicas} and {args.replicas}")
     return args
@@ -60,17 +66,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    try:
-        store, sock = host_store(args.host, args.port)
-    except OSError as exc:
-        print(f"gradsync coordinator: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
-        raise SystemExit(2) from exc
-    job = args.job_id or uuid.uuid4().hex[:12]
-    store.set(f"{P}/replicas", str(args.replicas))
-    store.set(f"{P}/min_replicas", str(args.min_replicas))
-    store.set(JOB_ID, job)
-    print(f"gradsync coordinator: listening on {args.host}:{store.port}, job {job}; waiting for {args.replicas} "
-          f"replicas (the job goes on with at least {args.min_replicas})", flush=True)
+    sock = None
+    if args.coordinator is not None:  # the store is etcd's; a coordinator that restarts finds its job there
+        store, where = connect(args.coordinator, timedelta(seconds=60)), f"etcd at {args.coordinator[7:]}"
+    else:
+        try:
+            store, sock = host_store(args.host, args.port)
+        except OSError as exc:
+            print(f"gradsync coordinator: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+            raise SystemExit(2) from exc
+        where = f"listening on {args.host}:{store.port}"
+    store.compare_set(f"{P}/replicas", "", str(args.replicas))
+    store.compare_set(f"{P}/min_replicas", "", str(args.min_replicas))
+    job = store.compare_set(JOB_ID, "", args.job_id or uuid.uuid4().hex[:12]).decode()
+    print(f"gradsync coordinator: {where}, job {job}; waiting for {args.replicas} replicas (the job goes on "
+          f"with at least {args.min_replicas})", flush=True)
     received: list[int] = []
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda signum, frame: received.append(signum))
@@ -79,7 +89,8 @@ def main(argv: list[str] | None = None) -> None:
     if received:
         raise SystemExit(128 + received[0])
     drain(store, received)
-    sock.close()
+    if sock is not None:
+        sock.close()
     if store.check([FAILED]):
         print(f"gradsync coordinator: the job failed: {store.get(FAILED).decode()}", file=sys.stderr)
         raise SystemExit(1)

@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID
+from gradsync.elastic.identity import connect as connect_store
 from gradsync.tools.elastic.coordinator import host_store
 from gradsync.tools.elastic.forkserver import Forked, ForkServer, supported
 
@@ -49,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="fewest replicas the job may go on with (default 1)")
     parser.add_argument("--max-restarts", type=int, default=0, help="restarts per replica (default 0)")
     parser.add_argument("--coordinator", metavar="HOST:PORT",
-                        help="the store every launcher shares (default: one on 127.0.0.1, any free port)")
+                        help="the store every launcher shares (default: one on 127.0.0.1, any free port); "
+                             "etcd://HOST:PORT,...[/PREFIX]: an etcd cluster's")
     parser.add_argument("--machines", type=int, default=1, help="launchers taking part (default 1)")
     parser.add_argument("--fresh-interpreters", action="store_true",
                         help="start each replica as a new Python process instead of forking it from one that "
@@ -65,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if not 1 <= args.min_replicas <= total:
         parser.error(f"--min-replicas must be between 1 and --replicas x --machines = {total}, "
                      f"got {args.min_replicas}")
-    if args.coordinator is not None:
+    if args.coordinator is not None and not args.coordinator.startswith("etcd://"):
         host, _, port = args.coordinator.rpartition(":")
         if not host or not port.isdigit():
             parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
@@ -80,6 +82,8 @@ def connect(coordinator: str | None) -> tuple[dist.TCPStore, str, socket.socket 
     if coordinator is None:
         store, sock = host_store("127.0.0.1", 0)
         return store, f"127.0.0.1:{store.port}", sock
+    if coordinator.startswith("etcd://"):  # an etcd cluster holds it: no launcher hosts anything
+        return connect_store(coordinator, timedelta(seconds=CONNECT_S)), coordinator, None
     host, _, port_text = coordinator.rpartition(":")
     port = int(port_text)
     # only try to host it where HOST names this machine; otherwise every machine would host its own store
@@ -142,9 +146,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace, server: ForkServer | None) -> None:
     store, address, sock = connect(args.coordinator)
     hosting = sock is not None
-    if hosting:
-        store.set(JOB_ID, os.environ.get("GRADSYNC_JOB_ID") or uuid.uuid4().hex[:12])
-    store.wait([JOB_ID])
+    store.compare_set(JOB_ID, "", os.environ.get("GRADSYNC_JOB_ID") or uuid.uuid4().hex[:12])  # the first one's
     machine = store.add("gradsync/machines", 1) - 1
     late = store.check(["gradsync/job/started"])  # its replicas join the running job with new ids
     if machine >= args.machines and not late:
