@@ -278,6 +278,17 @@ def is_registered(group: dist.ProcessGroup) -> bool:
     return group in dist.distributed_c10d._world.pg_map
 
 
+def abort_group(group: Any) -> None:
+    """Abort ``group``'s communicators (NCCL: ``ncclCommAbort``), so a kernel waiting on a dead peer releases its
+    stream; a group that cannot be aborted is left as it is."""
+    abort = getattr(group, "abort", None)
+    if callable(abort):
+        try:
+            abort()
+        except RuntimeError:
+            pass
+
+
 def detach_default_group() -> Any:
     """Unregister torch's default process group without shutting it down; return it (or None).
 

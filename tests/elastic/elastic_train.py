@@ -104,21 +104,24 @@ def main() -> None:
     parser.add_argument("--overlap", action="store_true", help="gradsync.overlap_optimizer(model, optimizer)")
     parser.add_argument("--width", type=int, default=16, help="the model's hidden width")
     parser.add_argument("--sync-each-batch", action="store_true", help="GradientAccumulator(sync_each_batch=True)")
+    parser.add_argument("--backend", default="gloo", help="gradsync.elastic.init_process_group's backend")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: replica r on GPU r % count")
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters and data, reduce_dtype=torch.float32")
     parser.add_argument("--ddp", action="append", default=[], help="a DDP option as NAME=VALUE (Python literal), "
                         "e.g. gradient_as_bucket_view=True, bucket_cap_mb='auto'")
     args = parser.parse_args()
     global KILL_LAUNCHER
     KILL_LAUNCHER = args.kill_launcher
-    gradsync.elastic.init_process_group("gloo", timeout=30)
+    gradsync.elastic.init_process_group(args.backend, timeout=30)
     me = gradsync.elastic.replica_id()
+    device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", me % torch.cuda.device_count())
     # --victim is a replica id, or GROUP:LOCAL_RANK under a launcher that assigns no ids (torchrun)
     where = f"{os.environ.get('GRADSYNC_GROUP') or socket.gethostname()}:{os.environ.get('LOCAL_RANK')}"
     victim = args.victim in (str(me), where) and gradsync.elastic.membership.membership().restart == 0
     if "GRADSYNC_REPLICA_ID" not in os.environ:  # a record of every start, for the launcher drills
         open(os.path.join(args.out, f"start-{where}-{os.getpid()}"), "w").close()
 
-    net = build_model(args.buffers, args.width).to(torch.bfloat16 if args.bf16 else torch.float32)
+    net = build_model(args.buffers, args.width).to(device, torch.bfloat16 if args.bf16 else torch.float32)
     # one bucket per parameter: a kill between two buckets' all-reduces is a real point
     check = {"": False, "1": True}.get(args.check_replicas, args.check_replicas)
     options = dict(bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6, check_replicas=check)
@@ -194,11 +197,14 @@ def main() -> None:
         while not (acc.is_boundary and acc.windows >= args.windows
                    and len(gradsync.elastic.members()) >= args.until_full and refusals() >= args.until_refused):
             hold(args.admit_together if len(gradsync.elastic.members()) < args.until_full else 0)
+            if acc.is_boundary and gradsync.elastic.stopping(acc):  # SIGUSR1: every member stops here
+                break
             with acc.accumulate():  # a replica that joins gets the members' state here
                 yield acc.windows - 1, acc.micro_step, *micro_batch(me, acc.windows - 1, acc.micro_step, args.items)
 
     for w, k, x, y in micro_steps():
         x, y = (x.bfloat16(), y.bfloat16()) if args.bf16 else (x, y)
+        x, y = x.to(device), y.to(device)
         time.sleep(args.sleep if k == 0 else 0)
         state.update(window=w, step=k, last=args.plain or acc.is_boundary)
         if at("corrupt", 0):  # a silent fault: one flipped bit in this replica's parameters
@@ -217,7 +223,7 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad()
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
-    torch.save({"params": [p.detach().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
+    torch.save({"params": [p.detach().cpu().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
                 "bucket_choice": model.bucket_choice, "buckets": model.reducer.bucket_plan(),
                 "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
                 "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict()}, os.path.join(args.out, f"{me}.pt"))

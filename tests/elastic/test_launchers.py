@@ -278,3 +278,25 @@ def test_etcd_coordinator_survives_its_leader_killed_without_losing_a_window(tmp
     want = reference([], 2, windows=80)
     for got, ref in zip(first["params"], want):
         assert (got - ref).abs().max() <= 1e-5
+
+
+def test_sigusr1_stops_every_replica_at_the_same_window_end(tmp_path, job):
+    """SLURM's warning before the time limit: one replica receives SIGUSR1 mid-run; every replica finishes the
+    window, stops at the same boundary (gradsync.elastic.stopping), saves and exits 0, and so does the coordinator."""
+    j = job(replicas=2, min_replicas=1)
+    deadline = time.monotonic() + TIMEOUT
+    for local in "01":
+        j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
+                              "--windows", "100000", "--sleep", "0.02"], j.env("a", LOCAL_RANK=local))
+    while len(list(tmp_path.glob("start-*"))) < 2:
+        assert time.monotonic() < deadline and all(p.poll() is None for p in j.procs.values()), j.log("a0")[-3000:]
+        time.sleep(0.1)
+    time.sleep(1.0)
+    j.procs["a1"].send_signal(signal.SIGUSR1)
+    codes = j.wait(deadline)
+    assert codes == {"a0": 0, "a1": 0, "coordinator": 0}, j.log("a0")[-3000:]
+    first = agreeing(survivors(tmp_path), [0, 1], j.log("a0"))
+    assert first["events"] == [] and 0 < first["windows"] < 100000
+    want = reference([], 2, windows=first["windows"])
+    for got, ref in zip(first["params"], want):
+        assert (got - ref).abs().max() <= 1e-5

@@ -120,3 +120,36 @@ def test_slurm_recipe_restarts_only_the_dead_replica(tmp_path, slurm):
     want = reference(first["events"], 3, windows=first["windows"])
     for got, ref in zip(first["params"], want):
         assert (got - ref).abs().max() <= 1e-5
+
+
+def test_slurm_signal_before_the_time_limit_stops_the_job_at_a_window_end(tmp_path, slurm):
+    """scancel --signal=USR1 (what --signal=USR1@120 sends before the time limit) mid-run: every replica stops
+    at the same window boundary, saves, and the job ends 0 with every task's loop ending (no restart)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**slurm, "PYTHON": sys.executable, "GRADSYNC_HOST": "127.0.0.1", "GRADSYNC_PORT": str(free_port()),
+           "MIN_REPLICAS": "1", "MAX_RESTARTS": "1", "OMP_NUM_THREADS": "1"}
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", "--ntasks=2", "--overcommit", f"--output={tmp_path}/job.log", str(RECIPE), str(SCRIPT),
+         "--out", str(out), "--steps", str(STEPS), "--windows", "100000", "--sleep", "0.02"],
+        env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + TIMEOUT
+    while len(list(out.glob("start-*"))) < 2:
+        assert time.monotonic() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+        time.sleep(0.2)
+    time.sleep(1.0)
+    subprocess.run(["scancel", "--signal=USR1", job_id], env=env, check=True, timeout=30)
+    while subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout.strip():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env=env)
+            pytest.fail(f"the job ran past {TIMEOUT:g}s:\n{(tmp_path / 'job.log').read_text()[-4000:]}")
+        time.sleep(0.5)
+    log = (tmp_path / "job.log").read_text()
+    assert f"job {job_id} finished" in log and "exited with" not in log, log[-4000:]
+    first = agreeing(survivors(out), [0, 1], log)
+    assert first["events"] == [] and 0 < first["windows"] < 100000
+    want = reference([], 2, windows=first["windows"])
+    for got, ref in zip(first["params"], want):
+        assert (got - ref).abs().max() <= 1e-5

@@ -5,8 +5,8 @@ Launch with ``gradsync run`` (``tools/elastic/run.py``), or under any launcher w
 ``elastic/join.py`` (admission, state transfer) and ``elastic/data.py`` (the sampler).
 """
 from .attach import init_process_group
-from .membership import MembershipError, MembershipEvent, events, members, register, replica_id
+from .membership import MembershipError, MembershipEvent, events, members, register, replica_id, stopping
 from .data import ElasticSampler
 
 __all__ = ["ElasticSampler", "MembershipError", "MembershipEvent", "events", "init_process_group", "members",
-           "register", "replica_id"]
+           "register", "replica_id", "stopping"]

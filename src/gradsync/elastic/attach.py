@@ -14,7 +14,9 @@ from typing import Any
 
 import logging
 import os
+import signal
 import sys
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -55,6 +57,9 @@ def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60
         m.liveness, liveness.graveyard = liveness, m.graveyard
     m.form_first()
     install(m)
+    if threading.current_thread() is threading.main_thread() and not callable(signal.getsignal(signal.SIGUSR1)):
+        # SLURM's warning before the time limit: finish the window, stop together (gradsync.elastic.stopping)
+        signal.signal(signal.SIGUSR1, lambda signum, frame: setattr(m, "stop_requested", True))
     if not log.handlers and not logging.getLogger().handlers:  # one line per change, on stderr
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(logging.Formatter("%(message)s"))

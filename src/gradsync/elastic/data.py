@@ -76,6 +76,8 @@ class ElasticSampler:
             # the last window's losses first: a joiner admitted next takes this state, and it never saw that deal
             self._note_losses(m)
             acc.at_window_start()  # joins and admissions happen here, before the window is dealt
+            if m is not None and m.stopping:  # the job agreed to stop here (gradsync.elastic.stopping)
+                return
             members, me = _membership()
             self._note_losses(m)  # a member lost while admitting
             dealt = self._deal_next(members)

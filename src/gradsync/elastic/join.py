@@ -40,8 +40,20 @@ def at_boundary(acc: Any) -> None:
         return
     if m.joining:
         join(m, acc, reducer)
-    else:
+    elif not stop_here(m, acc.windows):  # no admission into a job that stops here
         admit(m, acc, reducer)
+
+
+def stop_here(m: Any, window: int) -> bool:
+    """Whether the job stops at the boundary before ``window``. A replica asked to stop posts the next boundary:
+    no member can be past this one (the window's synced backward needs it), so every member reads it in time."""
+    key = f"{P}/job/stop"
+    if m.stop_at is None and m.stop_requested:
+        m.stop_at = int(m.store.compare_set(key, "", str(window + 1)))
+    elif m.stop_at is None and m.store.check([key]):
+        m.stop_at = int(m.store.get(key))
+    m.stopping = m.stop_at is not None and window >= m.stop_at
+    return m.stopping
 
 
 def admit(m: Any, acc: Any, reducer: Any) -> None:
@@ -193,4 +205,4 @@ def record(m: Any, g: int, window: int, joined: list[int], start: float, sent: i
                 "%.2f s, %d bytes sent", g, joined, window, m.members, event.seconds, sent)
 
 
-__all__ = ["at_boundary", "admit", "join", "load_state", "state_of", "transfer"]
+__all__ = ["at_boundary", "admit", "join", "load_state", "state_of", "stop_here", "transfer"]

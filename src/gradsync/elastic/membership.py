@@ -26,7 +26,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import process
-from .._torch import detach_default_group, is_future
+from .._torch import abort_group, detach_default_group, is_future
 from ..engine.control import bounded_wait
 from ..engine.errors import PeerFailure, SyncError
 
@@ -76,6 +76,9 @@ class StoreMembership:
         self._failed_at: float | None = None
         self.window_source: Any = None  # a weak method of the accumulator: (windows started, planned), attach.py
         self.liveness: Any = None  # a launcher-less replica's heartbeat and exit report (identity.py)
+        self.stop_requested = False  # this replica received SIGUSR1 (join.stop_here posts it)
+        self.stop_at: int | None = None  # the window boundary the job agreed to stop at
+        self.stopping = False  # that boundary is reached
 
     def key(self, name: str, generation: int | None = None) -> str:
         return f"{P}/gen{self.generation if generation is None else generation}/{name}"
@@ -188,6 +191,8 @@ class StoreMembership:
         if self.store.compare_set(self.key(f"decision/{sync}"), "", "abort") == b"commit":
             raise SyncError(f"gradsync: synced backward {sync} committed on every member, yet this member "
                             "did not finish it; this is a bug in gradsync") from failure
+        if self.backend == "nccl":  # a CPU wait was sliced; a kernel on the stream waits until aborted
+            abort_group(dist.group.WORLD)
         before, g = list(self.members), self.generation + 1
         while True:  # a member that dies while the next group forms costs one more generation
             self.store.set(self.key(f"alive/{self.replica_id}", g), self._alive_value())
@@ -270,6 +275,16 @@ def replica_id() -> int:
     return _current().replica_id
 
 
+def stopping(acc: Any = None) -> bool:
+    """Whether the job stops at this window boundary: a replica received SIGUSR1 (SLURM's ``--signal``
+    before the time limit), and every member stops at the same boundary, within one window. ``ElasticSampler``
+    ends there by itself; a loop of your own asks between windows (``acc``: the accumulator, whose boundary
+    work runs first), saves its checkpoint and returns."""
+    if acc is not None:
+        acc.at_window_start()
+    return _current().stopping
+
+
 def members() -> list[int]:
     """The sorted replica ids of the current membership, the same on every member."""
     return list(_current().members)
@@ -281,4 +296,4 @@ def events() -> list[MembershipEvent]:
 
 
 __all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "members", "membership",
-           "register", "replica_id"]
+           "register", "replica_id", "stopping"]
