@@ -92,6 +92,16 @@ PartitionName=debug Nodes={node} Default=YES MaxTime=INFINITE State=UP
                     pass
 
 
+def finished(job_id: str, env: dict, log: Path, deadline: float) -> str:
+    """Wait until the job left the queue; its output."""
+    while subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout.strip():
+        if time.monotonic() > deadline:
+            subprocess.run(["scancel", job_id], env=env)
+            pytest.fail(f"the job ran past {TIMEOUT:g}s:\n{log.read_text()[-4000:]}")
+        time.sleep(0.5)
+    return log.read_text()
+
+
 def test_slurm_recipe_restarts_only_the_dead_replica(tmp_path, slurm):
     """sbatch the recipe with 3 tasks; replica task 1 SIGKILLs itself in window 1; its task's loop
     restarts it and it joins; the coordinator (the batch step) exits 0 once the script returned."""
@@ -107,12 +117,7 @@ def test_slurm_recipe_restarts_only_the_dead_replica(tmp_path, slurm):
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip().split(";")[0]
     deadline = time.monotonic() + TIMEOUT
-    while subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout.strip():
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id], env=env)
-            pytest.fail(f"the job ran past {TIMEOUT:g}s:\n{(tmp_path / 'job.log').read_text()[-4000:]}")
-        time.sleep(0.5)
-    log = (tmp_path / "job.log").read_text()
+    log = finished(job_id, env, tmp_path / "job.log", deadline)
     assert f"job {job_id} finished" in log, log[-4000:]
     assert log.count("exited with 137 (attempt 0)") == 1, log[-4000:]  # the victim, restarted once
     first = agreeing(survivors(out), [0, 1, 2], log)
@@ -141,12 +146,7 @@ def test_slurm_signal_before_the_time_limit_stops_the_job_at_a_window_end(tmp_pa
         time.sleep(0.2)
     time.sleep(1.0)
     subprocess.run(["scancel", "--signal=USR1", job_id], env=env, check=True, timeout=30)
-    while subprocess.run(["squeue", "-h", "-j", job_id], env=env, capture_output=True, text=True).stdout.strip():
-        if time.monotonic() > deadline:
-            subprocess.run(["scancel", job_id], env=env)
-            pytest.fail(f"the job ran past {TIMEOUT:g}s:\n{(tmp_path / 'job.log').read_text()[-4000:]}")
-        time.sleep(0.5)
-    log = (tmp_path / "job.log").read_text()
+    log = finished(job_id, env, tmp_path / "job.log", deadline)
     assert f"job {job_id} finished" in log and "exited with" not in log, log[-4000:]
     first = agreeing(survivors(out), [0, 1], log)
     assert first["events"] == [] and 0 < first["windows"] < 100000
