@@ -90,8 +90,8 @@ def main() -> None:
     parser.add_argument("--until-full", type=int, default=0, help="go on past --windows until this many members")
     parser.add_argument("--admit-together", type=int, default=0, help="members wait at a boundary until this "
                         "many join requests were made (ever), so they are admitted together")
-    parser.add_argument("--until-refused", type=int, default=0, help="go on past --windows until this many "
-                        "replicas were refused at admission")
+    parser.add_argument("--until-refused", type=int, default=0, help="go on until this many replicas were "
+                        "refused at admission, then stop (SIGUSR1 to itself: gradsync.elastic.stopping)")
     parser.add_argument("--sleep", type=float, default=0.0, help="seconds at each window's start (a slower job)")
     parser.add_argument("--kill-launcher", action="store_true", help="the victim kills its launcher too")
     parser.add_argument("--buffers", action="store_true", help="a model with buffers, broadcast at every forward")
@@ -194,9 +194,13 @@ def main() -> None:
             return
         # with --until-full the members go on, together, until the replica that rejoins is back: the
         # test does not depend on how long a restart takes on a loaded machine
+        asked = False
         while not (acc.is_boundary and acc.windows >= args.windows
-                   and len(gradsync.elastic.members()) >= args.until_full and refusals() >= args.until_refused):
+                   and len(gradsync.elastic.members()) >= args.until_full and not args.until_refused):
             hold(args.admit_together if len(gradsync.elastic.members()) < args.until_full else 0)
+            if args.until_refused and not asked and refusals() >= args.until_refused:
+                os.kill(os.getpid(), signal.SIGUSR1)  # members read the count apart: stop where all agree
+                asked = True
             if acc.is_boundary and gradsync.elastic.stopping(acc):  # SIGUSR1: every member stops here
                 break
             with acc.accumulate():  # a replica that joins gets the members' state here

@@ -513,7 +513,7 @@ def test_a_joiner_admitted_right_after_a_loss_takes_the_same_lost_samples(monkey
 
     from gradsync import process
 
-    m = SimpleNamespace(members=[0, 1, 2], replica_id=0, events=[], registered={})
+    m = SimpleNamespace(members=[0, 1, 2], replica_id=0, events=[], registered={}, stopping=False)
     monkeypatch.setattr(process.state, "replica", m)
     acc = SimpleNamespace(windows=0, at_window_start=lambda: None, plan_window=lambda *a: None)
     member = ElasticSampler(240, micro_batch=4, seed=3, global_batch=24)

@@ -70,6 +70,13 @@ class Job:
             time.sleep(0.1)
         return {name: p.returncode for name, p in procs.items()}
 
+    def wait_for_starts(self, n: int, deadline: float) -> None:
+        """Until ``n`` replicas started (each writes a record once it is in the job)."""
+        while len(list(self.tmp.glob("start-*"))) < n:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in self.procs.values()), \
+                "\n".join(self.log(n)[-2000:] for n in self.procs)
+            time.sleep(0.1)
+
     def close(self) -> None:
         for proc in [*self.procs.values(), self.coordinator]:
             if proc.poll() is None:
@@ -141,6 +148,7 @@ def test_admission_refuses_another_job_a_twin_and_another_model(tmp_path, job):
     train = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS), "--sleep", "0.02"]
     for local in "01":
         j.start(f"a{local}", [*train, "--until-refused", "1"], j.env("a", LOCAL_RANK=local))
+    j.wait_for_starts(2, deadline)  # both are in the job: the twin arrives second
     cases = {"other_job": ([], j.env("x", GRADSYNC_JOB_ID="another-job")),
              "twin": ([], j.env("a", LOCAL_RANK="0")),
              "wider": (["--width", "17"], j.env("w"))}
@@ -262,9 +270,7 @@ def test_etcd_coordinator_survives_its_leader_killed_without_losing_a_window(tmp
     for local in "01":
         j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
                               "--windows", "80", "--sleep", "0.05"], j.env("a", LOCAL_RANK=local))
-    while len(list(tmp_path.glob("start-*"))) < 2:  # both replicas are in the job
-        assert time.monotonic() < deadline and all(p.poll() is None for p in j.procs.values()), j.log("a0")[-3000:]
-        time.sleep(0.1)
+    j.wait_for_starts(2, deadline)
     time.sleep(1.0)  # some windows in
     status = etcd_status(next(iter(etcd_cluster)))
     leader = next(c for c in etcd_cluster if etcd_status(c)["header"]["member_id"] == status["leader"])
@@ -288,9 +294,7 @@ def test_sigusr1_stops_every_replica_at_the_same_window_end(tmp_path, job):
     for local in "01":
         j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
                               "--windows", "100000", "--sleep", "0.02"], j.env("a", LOCAL_RANK=local))
-    while len(list(tmp_path.glob("start-*"))) < 2:
-        assert time.monotonic() < deadline and all(p.poll() is None for p in j.procs.values()), j.log("a0")[-3000:]
-        time.sleep(0.1)
+    j.wait_for_starts(2, deadline)
     time.sleep(1.0)
     j.procs["a1"].send_signal(signal.SIGUSR1)
     codes = j.wait(deadline)

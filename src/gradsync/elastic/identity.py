@@ -32,7 +32,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .etcd import EtcdStore, parse
-from .membership import P, MembershipError
+from .membership import P, STALE, MembershipError
 
 BEAT_S = 0.5
 FINISHED, FAILED, JOB_ID = f"{P}/job/finished", f"{P}/job/failed", f"{P}/job/id"
@@ -91,15 +91,20 @@ def identify(store: dist.Store, env: Any, address: str, timeout: timedelta) -> I
 
 
 def _refuse_a_twin(store: dist.Store, rid: int, group: str, local: int) -> None:
-    """Refuse to be replica ``rid`` while its previous start still beats (two launchers with one group name)."""
+    """Refuse to be replica ``rid`` while its previous start still beats (two launchers with one group name); a
+    previous start that neither reported its exit nor beat for ``STALE`` seconds is gone (a restart after SIGKILL)."""
     before = store.add(f"{P}/incarnation/{rid}", 0) - 1
-    if before < 0 or store.check([f"{P}/exit/{rid}/{before}"]):
-        return
-    beat = store.add(f"{P}/beat/{rid}/{before}", 0)
-    time.sleep(3 * BEAT_S)
-    if store.add(f"{P}/beat/{rid}/{before}", 0) != beat:
-        raise AdmissionError(f"gradsync: replica {rid} (GRADSYNC_GROUP={group!r}, LOCAL_RANK={local}) is already "
-                             "running in this job; give each launcher (each torchrun) its own GRADSYNC_GROUP")
+    beat, since = None, time.monotonic()
+    while before >= 0 and time.monotonic() - since <= STALE:  # the members' own judgment of a silent replica
+        if store.check([f"{P}/exit/{rid}/{before}"]):
+            return
+        now = store.add(f"{P}/beat/{rid}/{before}", 0)
+        if beat is not None and now != beat:
+            raise AdmissionError(f"gradsync: replica {rid} (GRADSYNC_GROUP={group!r}, LOCAL_RANK={local}) is "
+                                 "already running in this job; give each launcher (each torchrun) its own "
+                                 "GRADSYNC_GROUP")
+        beat = now
+        time.sleep(0.1)
 
 
 class Liveness:
