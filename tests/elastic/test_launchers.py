@@ -269,7 +269,7 @@ def test_etcd_coordinator_survives_its_leader_killed_without_losing_a_window(tmp
     deadline = time.monotonic() + TIMEOUT
     for local in "01":
         j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
-                              "--windows", "80", "--sleep", "0.05"], j.env("a", LOCAL_RANK=local))
+                              "--windows", "50", "--sleep", "0.05"], j.env("a", LOCAL_RANK=local))
     j.wait_for_starts(2, deadline)
     time.sleep(1.0)  # some windows in
     status = etcd_status(next(iter(etcd_cluster)))
@@ -279,9 +279,9 @@ def test_etcd_coordinator_survives_its_leader_killed_without_losing_a_window(tmp
     codes = j.wait(deadline)
     assert codes == {"a0": 0, "a1": 0, "coordinator": 0}, j.log("a0")[-3000:]
     first = agreeing(survivors(tmp_path), [0, 1], j.log("a0"))
-    assert first["events"] == [] and first["windows"] == 80
+    assert first["events"] == [] and first["windows"] == 50
     assert etcd_cluster[leader].poll() is not None  # it was dead before the job ended
-    want = reference([], 2, windows=80)
+    want = reference([], 2, windows=50)
     for got, ref in zip(first["params"], want):
         assert (got - ref).abs().max() <= 1e-5
 
