@@ -216,7 +216,8 @@ def test_bucket_cap_auto_a_replica_that_joins_takes_the_members_progress(tmp_pat
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("point,victim,window", [("during_reductions", 2, 1), ("optimizer_step", 1, 2)])
+@pytest.mark.parametrize("point,victim,window", [("during_reductions", 2, 1), ("optimizer_step", 1, 2),
+                                                  ("forward", 2, 1), ("local_backward", 2, 1)])
 def test_drills_with_a_comm_hook_on_the_default_group(tmp_path, point, victim, window):
     """A hook whose state names no group reduces over the default one, which follows membership. The survivors
     agree bit for bit, and bf16 compression stays within 2e-3 of the float32 reference on what was kept
@@ -556,3 +557,14 @@ def test_check_replicas_without_evict_stops_every_replica(tmp_path):
     assert proc.returncode != 0
     assert "ReplicaMismatchError" in proc.stderr and "rank(s) [2] disagree with the majority" in proc.stderr
     assert survivors(tmp_path) == {}
+
+
+@pytest.mark.slow  # 12 launches of 3 replicas
+@pytest.mark.parametrize("option", sorted(OPTIONS) + ["overlap"])
+@pytest.mark.parametrize("point", ["forward", "local_backward"])
+def test_kills_outside_the_reduction_with_every_option(tmp_path, option, point):
+    """A replica SIGKILLed in the forward or the no_sync backward of its window's first micro-step, with each option
+    of the matrix: the survivors close that window over their own micro-steps, as with the defaults."""
+    extra = ["--overlap"] if option == "overlap" else OPTIONS[option]
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", point, "--kill-step", "0", *extra)
+    check_run(tmp_path, proc, victim=2, window=1, bf16=option == "bf16")
