@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_elastic import STEPS, SCRIPT, agreeing, reference, survivors  # noqa: E402
+from forked_cli import run_cli  # noqa: E402
+from test_elastic import STEPS, SCRIPT, agreeing, check_run, reference, survivors  # noqa: E402
 
 TIMEOUT = 240.0
 GRADSYNC = [sys.executable, "-c", "from gradsync.tools.cli import main; main()"]
@@ -304,3 +305,13 @@ def test_sigusr1_stops_every_replica_at_the_same_window_end(tmp_path, job):
     want = reference([], 2, windows=first["windows"])
     for got, ref in zip(first["params"], want):
         assert (got - ref).abs().max() <= 1e-5
+
+
+def test_gradsync_run_on_etcd_survives_a_kill(tmp_path, etcd_cluster):
+    """``gradsync run --coordinator etcd://...``: no launcher hosts the store; a replica SIGKILLed with a bucket in
+    flight costs the survivors only its window, as on the launcher's own store."""
+    address = "etcd://" + ",".join(f"127.0.0.1:{c}" for c in etcd_cluster) + "/run"
+    proc = run_cli(["run", "--replicas", "3", "--min-replicas", "2", "--coordinator", address, str(SCRIPT), "--out",
+                    str(tmp_path), "--windows", "4", "--steps", str(STEPS), "--victim", "2", "--window", "1",
+                    "--point", "during_reductions"], timeout=TIMEOUT)
+    check_run(tmp_path, proc, victim=2, window=1)
