@@ -50,11 +50,10 @@ def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60
     address = env["GRADSYNC_COORDINATOR"]
     store = connect(address, timeout)
     me = identify(store, env, address, timeout)
-    liveness = Liveness(address, me, store) if me.machine < 0 else None
+    liveness = Liveness(address, me, store, reports=me.machine < 0)  # no launcher: it beats and reports itself
     m = StoreMembership(store, backend=backend, replica_id=me.replica_id, restart=me.restart, replicas=me.replicas,
                         min_replicas=me.min_replicas, timeout=timeout, machine=me.machine)
-    if liveness is not None:
-        m.liveness, liveness.graveyard = liveness, m.graveyard
+    m.liveness, liveness.graveyard = liveness, m.graveyard
     m.form_first()
     install(m)
     if threading.current_thread() is threading.main_thread() and not callable(signal.getsignal(signal.SIGUSR1)):

@@ -108,19 +108,17 @@ def _refuse_a_twin(store: dist.Store, rid: int, group: str, local: int) -> None:
 
 
 class Liveness:
-    """A launcher-less replica's heartbeat and exit report."""
+    """How a replica ends: fast once it failed or holds groups of earlier generations; a launcher-less one
+    (``reports``) also beats and reports its own exit, which ``gradsync run`` does for its replicas."""
 
-    def __init__(self, address: str, ident: Identity, store: dist.Store):
-        self.store, self.exit_key = store, f"{P}/exit/{ident.replica_id}/{ident.restart}"
+    def __init__(self, address: str, ident: Identity, store: dist.Store, reports: bool):
+        self.store, self.exit_key, self.reports = store, f"{P}/exit/{ident.replica_id}/{ident.restart}", reports
         self.failed = False
         self.graveyard: list[Any] = []  # the membership's earlier groups (membership.py)
-        # its own connection: the beat must not queue behind the main thread's store calls
-        beat_store = connect(address, timedelta(seconds=30))
-        key = f"{P}/beat/{ident.replica_id}/{ident.restart}"
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat",
-                                        daemon=True)
-        self._thread.start()
+        if reports:  # its own connection: the beat must not queue behind the main thread's store calls
+            beat_store, key = connect(address, timedelta(seconds=30)), f"{P}/beat/{ident.replica_id}/{ident.restart}"
+            threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat", daemon=True).start()
         hook = sys.excepthook
 
         def excepthook(*exc):
@@ -128,7 +126,7 @@ class Liveness:
             hook(*exc)
         sys.excepthook = excepthook
         atexit.register(self.at_exit)
-        if threading.current_thread() is threading.main_thread():
+        if reports and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.on_sigterm)
 
     def _beat(self, store: dist.Store, key: str) -> None:
@@ -143,6 +141,8 @@ class Liveness:
 
     def report(self, code: int) -> None:
         self._stop.set()
+        if not self.reports:
+            return
         try:
             self.store.set(self.exit_key, str(code))
             if code == 0:  # the script returned: the job is finished (the coordinator exits once all ended)

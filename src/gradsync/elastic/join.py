@@ -100,7 +100,7 @@ def join(m: Any, acc: Any, reducer: Any) -> None:
                                   f"{m.store.get(FAILED).decode()}")
         if m.store.check([f"{P}/refused/{me}"]):
             raise AdmissionError(m.store.get(f"{P}/refused/{me}").decode())
-        if m.store.check([FINISHED]) and m.liveness is not None:  # no launcher ends it: it ends itself
+        if m.store.check([FINISHED]) and m.liveness.reports:  # no launcher ends it: it ends itself
             log.warning("gradsync.elastic: the job finished before replica %d could join", m.replica_id)
             raise SystemExit(0)
         time.sleep(POLL)

@@ -75,7 +75,7 @@ class StoreMembership:
         self.graveyard: list[Any] = []  # earlier groups, kept referenced (see detach_default_group)
         self._failed_at: float | None = None
         self.window_source: Any = None  # a weak method of the accumulator: (windows started, planned), attach.py
-        self.liveness: Any = None  # a launcher-less replica's heartbeat and exit report (identity.py)
+        self.liveness: Any = None  # how this replica ends, and without a launcher its heartbeat (identity.py)
         self.stop_requested = False  # this replica received SIGUSR1 (join.stop_here posts it)
         self.stop_at: int | None = None  # the window boundary the job agreed to stop at
         self.stopping = False  # that boundary is reached
