@@ -8,7 +8,7 @@ itself from the coordinator (``gradsync coordinator``):
 - its **replica id**: the coordinator hands out 0, 1, 2, ... in order of first arrival, one per
   (``GRADSYNC_GROUP``, ``LOCAL_RANK``), and the same id again to that pair after a restart;
 - its **restart**: how many times that id started before (0 on the first start);
-- its **liveness**: a thread adds to ``gradsync/beat/<id>/<restart>`` every 0.5 s; a member whose beat
+- its **liveness**: a thread writes a counter to ``gradsync/beat/<id>/<restart>`` every 0.5 s; a member whose beat
   stood still for ``STALE`` seconds is taken for gone (a SIGKILLed or frozen process). The replica
   also reports its own exit (``gradsync/exit/<id>/<restart>``) when it ends normally, by an uncaught
   exception or by SIGTERM (what torchrun sends the rest of a group it restarts), so those cost no wait;
@@ -49,7 +49,6 @@ class Identity:
     replicas: int
     min_replicas: int
     machine: int  # the gradsync run launcher it belongs to; -1: none (it beats and reports its own exit)
-    job_id: str
 
 
 def connect(address: str, timeout: timedelta) -> dist.Store:
@@ -76,7 +75,7 @@ def identify(store: dist.Store, env: Any, address: str, timeout: timedelta) -> I
     if "GRADSYNC_REPLICA_ID" in env:  # gradsync run
         return Identity(int(env["GRADSYNC_REPLICA_ID"]), int(env.get("GRADSYNC_RESTART", "0")),
                         int(env["GRADSYNC_REPLICAS"]), int(env.get("GRADSYNC_MIN_REPLICAS", "1")),
-                        int(env.get("GRADSYNC_MACHINE", "0")), job)
+                        int(env.get("GRADSYNC_MACHINE", "0")))
     group = env.get("GRADSYNC_GROUP") or socket.gethostname()
     local = int(env.get("LOCAL_RANK", "0"))
     key = f"{P}/replica_of/{group}/{local}"
@@ -87,7 +86,7 @@ def identify(store: dist.Store, env: Any, address: str, timeout: timedelta) -> I
         rid = int(store.compare_set(key, "", str(store.add(f"{P}/ids", 1) - 1)))
     restart = store.add(f"{P}/incarnation/{rid}", 1) - 1
     store.wait([f"{P}/replicas", f"{P}/min_replicas"], timeout)
-    return Identity(rid, restart, int(store.get(f"{P}/replicas")), int(store.get(f"{P}/min_replicas")), -1, job)
+    return Identity(rid, restart, int(store.get(f"{P}/replicas")), int(store.get(f"{P}/min_replicas")), -1)
 
 
 def _refuse_a_twin(store: dist.Store, rid: int, group: str, local: int) -> None:

@@ -1,18 +1,21 @@
 """Elastic membership: a dead replica does not end the job; the survivors re-form and finish the window.
 
-``gradsync run`` (``tools/elastic/run.py``) starts the replicas and hosts torch's ``TCPStore`` (the
-coordinator, on no replica). ``init_process_group`` forms generation 0 once every replica has
-arrived and makes it torch's default process group; a gradsync model built on it follows every
-later generation (``engine/protocol.py``). Each synced backward ends with a vote in the store: the
-gradients are written back only once every member holds the whole reduction. When a member dies
-(its launcher reports the exit) or a collective fails, the survivors abort the reduction, agree on
-who is left, build the next generation's group from ``PrefixStore``, and reduce their own windows
-again in it: the window closes over exactly what the survivors processed.
+``gradsync run`` (``tools/elastic/run.py``) or another launcher with a ``gradsync coordinator`` starts the
+replicas; the store (torch's ``TCPStore`` on no replica, or an etcd cluster) holds the membership.
+``init_process_group`` forms generation 0 once every replica has arrived and makes it torch's default
+process group; a gradsync model built on it follows every later generation (``engine/protocol.py``).
+Each synced backward ends with a vote in the store: the gradients are written back only once every
+member holds the whole reduction. When a member dies (its exit reported, or its heartbeat stood still)
+or a collective fails, the survivors abort the reduction, agree on who is left, build the next
+generation's group from ``PrefixStore``, and reduce their own windows again in it: the window closes
+over exactly what the survivors processed.
 
-Store keys (under ``gradsync/``): ``exit/<id>/<restart>`` (the launcher, when a process ends),
-``gen<g>/alive/<id>`` (a member reached generation g; the value is its restart count),
+Store keys (under ``gradsync/``): ``exit/<id>/<restart>`` (the launcher, or the replica itself, when a
+process ends), ``heartbeat/<launcher>`` and ``beat/<id>/<restart>`` (``identity.py``),
+``gen<g>/alive/<id>`` (a member reached generation g; the value is its restart count and launcher),
 ``gen<g>/members``, ``gen<g>/broken``, ``gen<g>/vote/<sync>``, ``gen<g>/decision/<sync>``,
-``job/started``, ``job/failed``, ``waiting/<id>`` (a replica that arrived after the start).
+``job/id``, ``job/started``, ``job/stop``, ``job/finished``, ``job/failed``, ``waiting/<id>`` (a replica
+that arrived after the start), ``join/...``, ``admitted/...`` and ``refused/...`` (``join.py``).
 """
 from __future__ import annotations
 
