@@ -86,9 +86,9 @@ def main(argv: list[str] | None = None) -> None:
         signal.signal(sig, lambda signum, frame: received.append(signum))
     while not received and not store.check([FINISHED]) and not store.check([FAILED]):
         time.sleep(0.1)
+    drain(store, received)
     if received:
         raise SystemExit(128 + received[0])
-    drain(store, received)
     if sock is not None:
         sock.close()
     if store.check([FAILED]):
