@@ -315,3 +315,19 @@ def test_gradsync_run_on_etcd_survives_a_kill(tmp_path, etcd_cluster):
                     str(tmp_path), "--windows", "4", "--steps", str(STEPS), "--victim", "2", "--window", "1",
                     "--point", "during_reductions"], timeout=TIMEOUT)
     check_run(tmp_path, proc, victim=2, window=1)
+
+
+def test_coordinator_ends_on_sigterm_and_says_what_it_cannot_use(tmp_path):
+    j = Job(tmp_path, replicas=2, min_replicas=1)
+    try:
+        port = j.address.rpartition(":")[2]
+        taken = subprocess.run([*GRADSYNC, "coordinator", "--port", port, "--replicas", "2"],
+                               capture_output=True, text=True, timeout=60)
+        j.coordinator.send_signal(signal.SIGTERM)
+        assert j.coordinator.wait(30) == 128 + signal.SIGTERM
+    finally:
+        j.close()
+    bad = subprocess.run([*GRADSYNC, "coordinator", "--coordinator", "h1:2379", "--replicas", "2"],
+                         capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr, taken.stderr
+    assert bad.returncode == 2 and "--coordinator must be etcd://HOST:PORT" in bad.stderr, bad.stderr
