@@ -43,18 +43,19 @@ def digest(net):
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
 
 
-def train(rank, world_size, optimizer, mode, deterministic=True, views=False):
+def train(rank, world_size, optimizer, mode, deterministic=True, views=False, each=False):
     net = Block()
     model = gradsync.DDP(net, deterministic=deterministic, bucket_cap_mb=0.005, first_bucket_cap_mb=0.001,
                          gradient_as_bucket_view=views)
     k = GLOBAL // world_size
-    acc = gradsync.GradientAccumulator(model, steps=k)
+    acc = gradsync.GradientAccumulator(model, steps=k, sync_each_batch=each)
     opt = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if optimizer == "sgd"
            else torch.optim.AdamW(model.parameters(), lr=1e-2))
     opt = acc.wrap_optimizer(opt)
     hashes = []
     for window in windows():
-        for x, y, n in window[rank * k:(rank + 1) * k]:  # global micro-batch j on rank j // k
+        # global micro-batch j on rank j // k; with sync_each_batch on rank j % W
+        for x, y, n in (window[rank::world_size] if each else window[rank * k:(rank + 1) * k]):
             with acc.accumulate():
                 out = model(x)
                 if mode == "mean":
@@ -117,13 +118,14 @@ def test_what_would_change_the_order_is_refused(what):
         assert "deterministic=True" in message, message
 
 
-def test_sync_each_batch_is_refused():
-    def build(rank, world_size):
-        from helpers import outcome
-        model = gradsync.DDP(nn.Linear(4, 4), deterministic=True)
-        return outcome(lambda: gradsync.GradientAccumulator(model, steps=2, sync_each_batch=True))
-    for kind, message, _ in run_ranks(build, 2):
-        assert kind == "ValueError" and "sync_each_batch" in message and "deterministic=True" in message, message
+@pytest.mark.parametrize("optimizer,mode,views", [("sgd", "mean", False), ("adamw", "items", True)])
+def test_sync_each_batch_is_the_same_tree(optimizer, mode, views):
+    """Each micro-step reduced before the next (micro-batch j on rank j % W): every step's parameters equal those
+    of one process without sync_each_batch, bit for bit, on 1, 2 and 4 ranks."""
+    one = run_ranks(train, 1, optimizer, mode, True, views, False)[0]
+    for w in (1, 2, 4):
+        for r, hashes in enumerate(run_ranks(train, w, optimizer, mode, True, views, True, timeout=120)):
+            assert hashes == one, f"W={w}, rank {r}: differs from one process from step {next(i for i, (a, b) in enumerate(zip(hashes, one)) if a != b)}"
 
 
 def resumed(rank, world_size, interrupt):

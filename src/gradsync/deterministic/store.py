@@ -9,10 +9,12 @@ nodes: at most log2(k) + 1 gradient copies for k micro-steps, and ``.grad`` read
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
+from .._torch import version
 from ..engine.checks import check_grad
 from ..engine.store import BucketStore
 from .tree import TreeSum
@@ -30,6 +32,25 @@ class TreeStore(BucketStore):
     def __init__(self, params: list[torch.Tensor], names: list[str], **kwargs: Any):
         super().__init__(params, names, **kwargs)
         self.forget_trees()
+        self.reductions: list[TreeSum] | None = None  # sync_each_batch: the window's reduced micro-steps
+        self.handles: list[Any] = []
+
+    def keep_reductions_apart(self) -> None:
+        """``sync_each_batch``: each micro-step's reduction (a block of W leaves of the window's tree, summed in
+        rank order) is the next leaf of a tree of reductions, whose total ``.grad`` holds. Before the next
+        gradient is accumulated ``.grad`` is emptied again, so each micro-step reduces its own gradient alone."""
+        self.reductions = [TreeSum() for _ in self.params]
+        self.written: list[tuple[Any, int] | None] = [None] * len(self.params)  # the total put in .grad, its version
+        me = weakref.ref(self)
+        self.handles = [p.register_hook(_before_accumulate(me, i)) for i, p in enumerate(self.params)]
+
+    def before_accumulate(self, i: int) -> None:
+        """A gradient of parameter ``i`` is about to be accumulated into ``.grad``."""
+        p, written = self.params[i], self.written[i]
+        if p.grad is not None and written is not None and written[0]() is p.grad and version(p.grad) == written[1]:
+            p.grad = None  # the window's total so far: it stays in the tree of reductions
+        else:  # .grad emptied or replaced since (zero_grad): a new window
+            self.reductions[i] = TreeSum()
 
     def forget_trees(self) -> None:
         self.trees = [TreeSum() for _ in self.params]
@@ -60,6 +81,18 @@ class TreeStore(BucketStore):
     def end_sync(self, results: list[Any] | None, counts: list[int], done: Any = None) -> None:
         super().end_sync(results, counts, done)
         self.forget_trees()  # the window is reduced and written back
+        if self.reductions is not None:
+            for i, p in enumerate(self.params):
+                if counts[i] and p.grad is not None:
+                    self.reductions[i].push(p.grad.detach().clone())
+                    p.grad = self.reductions[i].total().clone()
+                    self.written[i] = (weakref.ref(p.grad), version(p.grad))
+
+    def release(self) -> None:
+        super().release()
+        for h in self.handles:
+            h.remove()
+        self.handles = []
 
     def drop_local(self) -> None:
         super().drop_local()
@@ -79,6 +112,14 @@ class TreeStore(BucketStore):
         self.forget_trees()
         for i, name in enumerate(self.names):
             self.trees[i].nodes = [(h, t.detach().clone().to(self.params[i].device)) for h, t in state.get(name, ())]
+
+
+def _before_accumulate(store: weakref.ref, i: int) -> Any:
+    def hook(grad: torch.Tensor) -> None:
+        me = store()
+        if me is not None and me.handles:
+            me.before_accumulate(i)
+    return hook
 
 
 __all__ = ["TreeStore"]

@@ -68,7 +68,8 @@ class ElasticSampler:
 
     def iterate(self, acc: Any) -> Iterator[list[int]]:
         # deterministic=True sums the window in the order of its micro-batches: rank j // k runs micro-batch j
-        self.blocks = is_deterministic(getattr(acc, "model", None))
+        # (with sync_each_batch, rank j % W runs it as its micro-step j // W: the round-robin deal)
+        self.blocks = is_deterministic(getattr(acc, "model", None)) and not getattr(acc, "sync_each_batch", False)
         m = process.state.replica
         if m is not None:
             m.registered.setdefault("gradsync.ElasticSampler", self)  # a joiner takes the members' position
