@@ -128,19 +128,19 @@ def test_sync_each_batch_is_the_same_tree(optimizer, mode, views):
             assert hashes == one, f"W={w}, rank {r}: differs from one process from step {next(i for i, (a, b) in enumerate(zip(hashes, one)) if a != b)}"
 
 
-def resumed(rank, world_size, interrupt):
+def resumed(rank, world_size, interrupt, each=False):
     """One window of 4 micro-steps per rank; with ``interrupt``, a checkpoint after micro-step 2 is loaded into
     a fresh model (and optimizer) that finishes the window."""
     net = Block()
     model = gradsync.DDP(net, deterministic=True)
-    acc = gradsync.GradientAccumulator(model, steps=4)
+    acc = gradsync.GradientAccumulator(model, steps=4, sync_each_batch=each)
     window = windows()[0]
-    for i, (x, y, _) in enumerate(window[rank * 4:(rank + 1) * 4]):
+    for i, (x, y, _) in enumerate(window[rank::world_size] if each else window[rank * 4:(rank + 1) * 4]):
         if interrupt and i == 2:
             saved = (net.state_dict(), model.grad_state_dict(), acc.state_dict())
             net = Block()
             model = gradsync.DDP(net, deterministic=True)
-            acc = gradsync.GradientAccumulator(model, steps=4)
+            acc = gradsync.GradientAccumulator(model, steps=4, sync_each_batch=each)
             net.load_state_dict(saved[0])
             model.load_grad_state_dict(saved[1])
             acc.load_state_dict(saved[2])
@@ -149,8 +149,10 @@ def resumed(rank, world_size, interrupt):
     return [p.grad.clone() for p in net.parameters()]
 
 
-def test_a_mid_window_checkpoint_keeps_the_tree():
-    """grad_state_dict() carries the window's trees (``.grad`` is None inside a deterministic window)."""
-    plain, restored = run_ranks(resumed, 2, False), run_ranks(resumed, 2, True)
+@pytest.mark.parametrize("each", [False, True])
+def test_a_mid_window_checkpoint_keeps_the_tree(each):
+    """grad_state_dict() carries the window's trees (``.grad`` is None inside a deterministic window), and with
+    sync_each_batch the tree of the micro-steps' reductions (``.grad`` holds only its total)."""
+    plain, restored = run_ranks(resumed, 2, False, each), run_ranks(resumed, 2, True, each)
     for a, b in zip(plain, restored):
         assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -105,13 +105,30 @@ class TreeStore(BucketStore):
         return super().grad_tensors() + [t for tree in self.trees for t in tree.tensors()]
 
     def tree_state(self) -> dict[str, list[tuple[int, torch.Tensor]]]:
-        """The window's trees by parameter name: (height, partial sum) nodes (``grad_state_dict``)."""
-        return {self.names[i]: [(h, t.detach().clone()) for h, t in tree.nodes] for i, tree in enumerate(self.trees) if tree}
+        """The window's trees by parameter name: (height, partial sum) nodes (``grad_state_dict``); with
+        ``sync_each_batch``, the trees of reductions under ``"<name> reductions"``."""
+        state = {self.names[i]: _nodes(tree) for i, tree in enumerate(self.trees) if tree}
+        for i, tree in enumerate(self.reductions or ()):
+            if tree and self.params[i].grad is not None:
+                state[f"{self.names[i]} reductions"] = _nodes(tree)
+        return state
 
     def load_tree_state(self, state: dict[str, list[tuple[int, torch.Tensor]]]) -> None:
         self.forget_trees()
         for i, name in enumerate(self.names):
-            self.trees[i].nodes = [(h, t.detach().clone().to(self.params[i].device)) for h, t in state.get(name, ())]
+            device = self.params[i].device
+            self.trees[i].nodes = [(h, t.detach().clone().to(device)) for h, t in state.get(name, ())]
+            if f"{name} reductions" in state:
+                if self.reductions is None:
+                    raise ValueError("gradsync: this gradient state was saved inside a sync_each_batch window; load it "
+                                     "after building the GradientAccumulator(sync_each_batch=True)")
+                self.reductions[i].nodes = [(h, t.detach().clone().to(device)) for h, t in state[f"{name} reductions"]]
+                grad = self.params[i].grad  # the total, loaded as .grad: the next gradient empties it again
+                self.written[i] = None if grad is None else (weakref.ref(grad), version(grad))
+
+
+def _nodes(tree: TreeSum) -> list[tuple[int, torch.Tensor]]:
+    return [(h, t.detach().clone()) for h, t in tree.nodes]
 
 
 def _before_accumulate(store: weakref.ref, i: int) -> Any:
