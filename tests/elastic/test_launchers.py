@@ -1,9 +1,14 @@
-"""Elastic jobs under torchrun: ``gradsync coordinator`` and two torchruns of two workers each.
+"""Elastic jobs without ``gradsync run``: a ``gradsync coordinator`` (or an etcd cluster) and replicas started by
+torchrun or by hand.
 
-A worker of one torchrun is SIGKILLed (or frozen by SIGSTOP) mid-run: that torchrun restarts its
-group, the other never restarts, and all four replicas finish bit-identical and equal (1e-5) to one
-process trained on exactly what was kept. Replicas of another job, or running another model, are
-refused at admission while the job goes on.
+- torchrun: a worker of one of two torchruns is SIGKILLed (or frozen by SIGSTOP) mid-run: that torchrun restarts
+  its group, the other never restarts, and all four replicas finish bit-identical and equal (1e-5) to one process
+  trained on exactly what was kept.
+- admission: replicas of another job, claiming a running replica's place, or running another model are refused
+  while the job goes on.
+- SIGUSR1 stops every replica at the same window end; two busy processes cause no false eviction.
+- etcd: the store's leader SIGKILLed mid-run costs no window; ``gradsync run`` works on it too.
+- the Kubernetes manifest (not applied here) and the coordinator's own failures.
 """
 import json
 import os
