@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from itertools import chain
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -238,9 +239,14 @@ def storage_base(t: torch.Tensor) -> torch.Tensor:
     return t._base if t._base is not None else t
 
 
-def version(t: torch.Tensor) -> int:
-    """The in-place modification counter of ``t`` (tells a ``.grad`` the user changed from ours)."""
-    return t._version
+def stamp(t: torch.Tensor) -> tuple[Any, int]:
+    """A mark of ``t`` as it is now: ``unchanged(mark, x)`` tells whether ``x`` is still ``t``, not modified in
+    place since (a ``.grad`` we wrote, against one the user replaced or zeroed)."""
+    return weakref.ref(t), t._version
+
+
+def unchanged(mark: tuple[Any, int] | None, t: torch.Tensor | None) -> bool:
+    return mark is not None and t is not None and mark[0]() is t and t._version == mark[1]
 
 
 def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:

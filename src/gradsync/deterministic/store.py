@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .._torch import version
+from .._torch import stamp, unchanged
 from ..engine.checks import check_grad
 from ..engine.store import BucketStore
 from .tree import TreeSum
@@ -40,14 +40,14 @@ class TreeStore(BucketStore):
         rank order) is the next leaf of a tree of reductions, whose total ``.grad`` holds. Before the next
         gradient is accumulated ``.grad`` is emptied again, so each micro-step reduces its own gradient alone."""
         self.reductions = [TreeSum() for _ in self.params]
-        self.written: list[tuple[Any, int] | None] = [None] * len(self.params)  # the total put in .grad, its version
+        self.written: list[tuple[Any, int] | None] = [None] * len(self.params)  # stamp() of the total put in .grad
         me = weakref.ref(self)
         self.handles = [p.register_hook(_before_accumulate(me, i)) for i, p in enumerate(self.params)]
 
     def before_accumulate(self, i: int) -> None:
         """A gradient of parameter ``i`` is about to be accumulated into ``.grad``."""
         p, written = self.params[i], self.written[i]
-        if p.grad is not None and written is not None and written[0]() is p.grad and version(p.grad) == written[1]:
+        if unchanged(written, p.grad):
             p.grad = None  # the window's total so far: it stays in the tree of reductions
         else:  # .grad emptied or replaced since (zero_grad): a new window
             self.reductions[i] = TreeSum()
@@ -86,7 +86,7 @@ class TreeStore(BucketStore):
                 if counts[i] and p.grad is not None:
                     self.reductions[i].push(p.grad.detach().clone())
                     p.grad = self.reductions[i].total().clone()
-                    self.written[i] = (weakref.ref(p.grad), version(p.grad))
+                    self.written[i] = stamp(p.grad)
 
     def release(self) -> None:
         super().release()
@@ -124,7 +124,7 @@ class TreeStore(BucketStore):
                                      "after building the GradientAccumulator(sync_each_batch=True)")
                 self.reductions[i].nodes = [(h, t.detach().clone().to(device)) for h, t in state[f"{name} reductions"]]
                 grad = self.params[i].grad  # the total, loaded as .grad: the next gradient empties it again
-                self.written[i] = None if grad is None else (weakref.ref(grad), version(grad))
+                self.written[i] = None if grad is None else stamp(grad)
 
 
 def _nodes(tree: TreeSum) -> list[tuple[int, torch.Tensor]]:

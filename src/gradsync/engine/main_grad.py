@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .._torch import version
+from .._torch import stamp, unchanged
 from .checks import check_grad
 
 
@@ -29,7 +29,7 @@ class MainGrads:
         self.grad_is_slot = grad_is_slot  # gradient_as_bucket_view: ``.grad`` may be the slot itself
         n = len(params)
         self.fresh = [True] * n  # the next gradient starts a new window (replaces the slot)
-        self._written: list[tuple[weakref.ref, int] | None] = [None] * n
+        self._written: list[tuple[weakref.ref, int] | None] = [None] * n  # stamp() of the .grad written back
         me = weakref.ref(self)
         self.handles = [p.register_hook(_pre_hook(me, i)) for i, p in enumerate(params)]
 
@@ -50,7 +50,7 @@ class MainGrads:
         written = self._written[i]
         if p.grad is None:
             view.zero_()
-        elif not (written is not None and written[0]() is p.grad and version(p.grad) == written[1]):
+        elif not unchanged(written, p.grad):
             check_grad(p.grad, torch.empty_like(p, device="meta"), self.names[i])
             view.copy_(p.grad.detach())
         self.fresh[i] = False
@@ -80,7 +80,7 @@ class MainGrads:
             p.grad = view
         else:
             p.grad = view.to(p.dtype, copy=True)
-        self._written[i] = (weakref.ref(p.grad), version(p.grad))
+        self._written[i] = stamp(p.grad)
 
     def link(self, views: Sequence[torch.Tensor], old_views: Sequence[torch.Tensor] | None) -> None:
         """Point ``param.main_grad`` at the (new) slots, keeping their values across a re-plan."""
