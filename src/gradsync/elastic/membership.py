@@ -56,6 +56,23 @@ class MembershipEvent:
     committed: int = 0  # micro-steps of that window each of them had synced (sync_each_batch): kept
 
 
+class Heartbeats:
+    """When each heartbeat counter in the store last moved, as seen from here."""
+
+    def __init__(self, store: dist.Store):
+        self.store = store
+        self.moved: dict[str, tuple[int, float]] = {}  # key -> (its count, when it last changed)
+
+    def look(self, key: str) -> tuple[int, float]:
+        """``key``'s count, and the seconds it has stood still since it last changed here (0 at the first look)."""
+        count, now = self.store.add(key, 0), time.monotonic()
+        last = self.moved.get(key)
+        if last is None or last[0] != count:
+            self.moved[key] = (count, now)
+            return count, 0.0
+        return count, now - last[1]
+
+
 class StoreMembership:
     """Generations of members over a coordinator ``TCPStore``: a commit protocol (``engine/protocol.py``)."""
 
@@ -68,7 +85,7 @@ class StoreMembership:
         self.members: list[int] = []
         self.incarnation: dict[int, int] = {}  # member id -> its restart count in this generation
         self.machine_of: dict[int, int] = {}  # member id -> its launcher
-        self._beats: dict[str, tuple[int, float]] = {}  # heartbeat key -> (its count, when it last moved)
+        self.heartbeats = Heartbeats(store)
         self.events: list[MembershipEvent] = []
         self.joining = False  # arrived after the job started and not admitted yet (elastic_join.py)
         self.joins_seen = 0  # join requests this member has decided on
@@ -161,12 +178,8 @@ class StoreMembership:
             return False
         # a replica without a launcher beats itself (identity.py); else its launcher beats for it
         key = f"{P}/beat/{m}/{self.incarnation.get(m, -1)}" if machine < 0 else f"{P}/heartbeat/{machine}"
-        beat, now = self.store.add(key, 0), time.monotonic()
-        last = self._beats.get(key)
-        if last is None or last[0] != beat:
-            self._beats[key] = (beat, now)
-            return False
-        return beat > 0 and now - last[1] > STALE
+        beats, still = self.heartbeats.look(key)
+        return beats > 0 and still > STALE
 
     def broken(self, failure: BaseException) -> None:
         if self._failed_at is None:
@@ -298,5 +311,5 @@ def events() -> list[MembershipEvent]:
     return list(_current().events)
 
 
-__all__ = ["MembershipError", "MembershipEvent", "StoreMembership", "events", "members", "membership",
+__all__ = ["Heartbeats", "MembershipError", "MembershipEvent", "StoreMembership", "events", "members", "membership",
            "register", "replica_id", "stopping"]

@@ -22,7 +22,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID, P, connect
-from gradsync.elastic.membership import STALE
+from gradsync.elastic.membership import STALE, Heartbeats
 DRAIN_S = 60.0  # after the job ended, how long to wait for replicas to end before exiting anyway
 
 
@@ -99,19 +99,15 @@ def main(argv: list[str] | None = None) -> None:
 
 def drain(store: dist.TCPStore, received: list[int]) -> None:
     """Wait until every replica's latest start has reported its exit or stopped beating (bounded)."""
-    beats: dict[str, tuple[int, float]] = {}
+    heartbeats = Heartbeats(store)
     deadline = time.monotonic() + DRAIN_S
     while not received and time.monotonic() < deadline:
-        now, running = time.monotonic(), 0
+        running = 0
         for rid in range(store.add(f"{P}/ids", 0)):
             start = store.add(f"{P}/incarnation/{rid}", 0) - 1
             if start < 0 or store.check([f"{P}/exit/{rid}/{start}"]):
                 continue
-            key = f"{P}/beat/{rid}/{start}"
-            beat = store.add(key, 0)
-            if beat != beats.get(key, (None, 0.0))[0]:
-                beats[key] = (beat, now)
-            running += now - beats[key][1] <= STALE
+            running += heartbeats.look(f"{P}/beat/{rid}/{start}")[1] <= STALE
         if not running:
             return
         time.sleep(0.1)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID
 from gradsync.elastic.identity import connect as connect_store
+from gradsync.elastic.membership import STALE, Heartbeats
 from gradsync.tools.elastic.coordinator import host_store
 from gradsync.tools.elastic.forkserver import Forked, ForkServer, supported
 
@@ -39,7 +40,6 @@ POLL_S = 0.02  # a death is on the critical path of recovery: report it within t
 HEARTBEAT_S = 0.5
 GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 CONNECT_S = 60.0
-STALE_S = 5.0  # a launcher whose heartbeat stood still this long is gone (gradsync.elastic.STALE)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -249,7 +249,7 @@ def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica],
     if hosting and launchers > 1:
         # the other launchers still need the store: wait for them to finish with it
         others = [m for m in range(launchers) if m != machine]
-        beats: dict[int, tuple[int, float]] = {}
+        heartbeats = Heartbeats(store)
         deadline = time.monotonic() + CONNECT_S
         while others and time.monotonic() < deadline and not received:
             now = time.monotonic()
@@ -257,10 +257,8 @@ def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica],
                 store.add(f"gradsync/heartbeat/{machine}", 1)
                 heartbeat_at = now + HEARTBEAT_S
             for m in list(others):  # done, or dead: its heartbeat stood still (as gradsync.elastic judges it)
-                beat = store.add(f"gradsync/heartbeat/{m}", 0)
-                if beat != beats.get(m, (None, 0.0))[0]:
-                    beats[m] = (beat, now)
-                if store.check([f"gradsync/launcher_done/{m}"]) or now - beats[m][1] > STALE_S:
+                still = heartbeats.look(f"gradsync/heartbeat/{m}")[1]
+                if store.check([f"gradsync/launcher_done/{m}"]) or still > STALE:
                     others.remove(m)
             time.sleep(0.1)
         if received:
