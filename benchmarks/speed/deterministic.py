@@ -13,7 +13,7 @@ Bytes on the wire per window are those of a ring all-reduce by construction (``d
 from __future__ import annotations
 
 import gradsync
-from gradsync.tools.bench.harness import describe, paired, paired_cells, run_paired_benchmark, time_variants, with_aa
+from gradsync.tools.bench.harness import paired, paired_report, run_paired_benchmark, time_variants, with_aa
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
@@ -39,16 +39,8 @@ def summarize(times: dict) -> dict:
 
 
 def report(record: dict) -> str:
-    lines = ["# deterministic=True: cost per optimizer window", "",
-             describe(record, ", no gradient views") + " Ratio = median over rounds of (variant / default) in the "
-             "same round; cost = the paired median difference; A/A = default against a second copy of itself (the noise).",
-             "", "| model | accum | default ms | deterministic ms | deterministic / default [IQR] | cost ms | A/A [IQR] | noise ms |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in record["rows"]:
-        m = r["median_ms"]
-        lines.append(f"| {r['model']} | {r['accum']} | {m['default']:.1f} | {m['deterministic']:.1f} | "
-                     f"{paired_cells(r, 'deterministic', 'default A/A')} |")
-    return "\n".join(lines) + "\n"
+    return paired_report("deterministic=True: cost per optimizer window", record, ", no gradient views", "default",
+                         "deterministic")
 
 
 def main(argv: list[str] | None = None) -> dict:

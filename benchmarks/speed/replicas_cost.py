@@ -17,7 +17,7 @@ import statistics
 import time
 
 import gradsync
-from gradsync.tools.bench.harness import describe, paired, paired_cells, run_paired_benchmark, time_variants, with_aa
+from gradsync.tools.bench.harness import paired, paired_report, run_paired_benchmark, time_variants, with_aa
 from gradsync.tools.bench.models import GradsyncEngine, ModelSpec
 
 MODELS = [ModelSpec(name="mlp-8.4M", kind="mlp", width=1024, depth=8, batch=32),
@@ -61,19 +61,11 @@ def summarize(times: dict) -> dict:
 
 
 def report(record: dict) -> str:
-    lines = ["# check_replicas=True: cost per optimizer window", "",
-             describe(record, ", gradient views on") + " Ratio = median over rounds of (variant / off) in the same "
-             "round; cost = the paired median difference; A/A = off against a second copy of itself (the noise).", "",
-             "| model | accum | off ms | check_replicas ms | check_replicas / off [IQR] | cost ms | A/A [IQR] | noise ms "
-             "| passes alone: parameters + gradient ms | passes / off |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in record["rows"]:
-        m = r["median_ms"]
-        lines.append(f"| {r['model']} | {r['accum']} | {m['off']:.1f} | {m['check_replicas']:.1f} | "
-                     f"{paired_cells(r, 'check_replicas', 'off A/A')} | "
-                     f"{r['passes_ms']['parameters']:.2f} + {r['passes_ms']['gradient']:.2f} | "
-                     f"{sum(r['passes_ms'].values()) / m['off']:.3f} |")
-    return "\n".join(lines) + "\n"
+    def passes(r: dict) -> list[str]:
+        took = r["passes_ms"]
+        return [f"{took['parameters']:.2f} + {took['gradient']:.2f}", f"{sum(took.values()) / r['median_ms']['off']:.3f}"]
+    return paired_report("check_replicas=True: cost per optimizer window", record, ", gradient views on", "off",
+                         "check_replicas", ["passes alone: parameters + gradient ms", "passes / off"], passes)
 
 
 def main(argv: list[str] | None = None) -> dict:

@@ -25,7 +25,7 @@ import platform
 import re
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -33,7 +33,7 @@ import torch
 from .measure import mmap_large_allocations, reduce_values, reset_peak_rss, round_order, run_window, status_kib
 from .models import Engine, ModelSpec
 
-__all__ = ["RESULTS", "round_order", "run_window", "reduce_values", "reduce_max", "time_variants", "with_aa", "paired", "paired_cells",
+__all__ = ["RESULTS", "round_order", "run_window", "reduce_values", "reduce_max", "time_variants", "with_aa", "paired", "paired_cells", "paired_report",
            "quartiles", "spread", "describe", "machine_info", "LoadWatch", "record_stem", "write_record",
            "timing_parser", "run_paired_benchmark", "status_kib", "reset_peak_rss", "mmap_large_allocations"]
 
@@ -112,6 +112,23 @@ def paired_cells(row: dict, name: str, aa: str) -> str:
     q, iqr = row["paired_ratio"], row["ratio_iqr"]
     return (f"{q[name]:.3f} [{iqr[name][0]:.3f}-{iqr[name][1]:.3f}] | {row['paired_diff_ms'][name]:+.2f} | "
             f"{q[aa]:.3f} [{iqr[aa][0]:.3f}-{iqr[aa][1]:.3f}] | {row['noise_ms']:.2f}")
+
+
+def paired_report(title: str, record: dict, setup: str, reference: str, variant: str, extra_headers: Sequence[str] = (),
+                  extra_cells: Callable[[dict], Sequence[str]] | None = None) -> str:
+    """A paired record's markdown: ``title``, ``describe`` (with ``setup``), what the columns mean, and one row per
+    model and accumulation: both medians, ``paired_cells`` and any ``extra_cells(row)`` under ``extra_headers``."""
+    head = ["model", "accum", f"{reference} ms", f"{variant} ms", f"{variant} / {reference} [IQR]", "cost ms",
+            "A/A [IQR]", "noise ms", *extra_headers]
+    lines = [f"# {title}", "", describe(record, setup) + f" Ratio = median over rounds of (variant / {reference}) in "
+             f"the same round; cost = the paired median difference; A/A = {reference} against a second copy of itself "
+             "(the noise).", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in record["rows"]:
+        m = r["median_ms"]
+        cells = [r["model"], str(r["accum"]), f"{m[reference]:.1f}", f"{m[variant]:.1f}",
+                 paired_cells(r, variant, f"{reference} A/A"), *(extra_cells(r) if extra_cells else ())]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
 
 
 # ---------------------------------------------------------------- the machine
