@@ -95,6 +95,11 @@ def active_ddp_module(module: Any, first_bucket_bytes: int) -> Iterator[None]:
 OPTIMIZER_IMPORTS = ("torch._dynamo",)
 
 
+def cuda_fork_poisoned() -> bool:
+    """Whether CUDA is unusable here because a parent asked the driver before forking this process."""
+    return bool(getattr(torch.cuda, "_is_in_bad_fork", lambda: False)())
+
+
 def compile_throwaway(*backends: str) -> None:
     """Compile a throwaway function once per ``torch.compile`` backend, then reset Dynamo; inductor compiles in
     this process (``compile_threads=1``: no worker pool starts here)."""

@@ -50,12 +50,12 @@ def test_the_ranks_outside_the_majority_are_named():
     assert disagreeing({0: [5], 1: [5]}, 1) == ([], set())
 
 
-def train(rank, world_size, steps, fault=None, at=3, culprit=None, check=True, hook=False, load=False):
+def train(rank, world_size, steps, fault=None, at=3, culprit=None, check=True, hook=False, load=False, device="cpu"):
     """AdamW on an mlp; at step ``at`` rank ``culprit`` suffers ``fault``. Return (steps done, error type,
     message, parameters)."""
     torch.manual_seed(0)
     culprit = world_size - 1 if culprit is None else culprit
-    model = gradsync.DistributedDataParallel(mlp(), bucket_cap_mb=4e-3, first_bucket_cap_mb=4e-3,
+    model = gradsync.DistributedDataParallel(mlp().to(device), bucket_cap_mb=4e-3, first_bucket_cap_mb=4e-3,
                                              check_replicas=check)
     calls = [0]
     if hook:  # an all-reduce hook that corrupts one reduced bucket on the culprit at step ``at``
@@ -79,14 +79,14 @@ def train(rank, world_size, steps, fault=None, at=3, culprit=None, check=True, h
                     flip(model.module[2].weight, 9, 2)
                 elif fault == "state":
                     flip(opt.state[model.module[0].bias]["exp_avg"], 2, 1)
-            x = torch.randn(6, 8, generator=g)
+            x = torch.randn(6, 8, generator=g).to(device)
             F.mse_loss(model(x), x[:, :4]).backward()
             opt.step()
             opt.zero_grad()
             done = step + 1
     except gradsync.SyncError as exc:
         return done, type(exc).__name__, str(exc), None
-    return done, None, None, {n: p.detach().clone() for n, p in model.module.named_parameters()}
+    return done, None, None, {n: p.detach().cpu() for n, p in model.module.named_parameters()}
 
 
 def test_clean_training_raises_nothing_and_is_bit_identical_to_unchecked():

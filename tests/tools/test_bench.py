@@ -144,3 +144,11 @@ def test_round_order_varies_each_engines_predecessor():
     assert rounds == [bench_measure.round_order(names, rep) for rep in range(13)]
     before = {n: {r[r.index(n) - 1] for r in rounds if r.index(n)} for n in names}
     assert all(len(p) >= 3 for p in before.values()), before
+
+
+def test_gpu_bench_counts_synchronizing_calls_not_the_prototype_notice():
+    from gradsync.tools.bench.gpu import host_syncs
+    notice = ("Synchronization debug mode is a prototype feature and does not yet detect all synchronizing "
+              "operations (Triggered internally at /pytorch/torch/csrc/cuda/Module.cpp)")
+    assert host_syncs([notice]) == 0  # torch warns it once, on whichever engine is measured first
+    assert host_syncs([notice, "called a synchronizing CUDA operation", "called a synchronizing CUDA operation"]) == 2

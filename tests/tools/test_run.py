@@ -265,3 +265,38 @@ def test_a_replica_that_starts_late_still_runs_as_the_launchers_child(tmp_path):
     seen = json.loads(done.stdout.splitlines()[-1])
     assert seen["codes"] == [0, 0, 0], done.stderr[-3000:]
     assert [(tmp_path / f"replica.py.{i}").read_text() for i in range(3)] == [str(seen["launcher"])] * 3
+
+
+POISONED = """
+import json, os, sys, time
+from gradsync.tools.elastic import forkserver
+forkserver.PRELOAD = ("torch",)
+server = forkserver.ForkServer()
+script, out = sys.argv[1], sys.argv[2]
+first = server.spawn([script, out + ".forked"], dict(os.environ))
+first.wait()
+forkserver.cuda_fork_poisoned = lambda: True  # what torch reports in a child forked after the driver was asked
+server.close()
+server = forkserver.ForkServer()
+second = server.spawn([script, out + ".fresh"], dict(os.environ))
+second.wait()
+print(json.dumps({"codes": [first.returncode, second.returncode], "launcher": os.getpid()}))
+server.close()
+"""
+
+
+def test_a_replica_forked_where_cuda_cannot_start_becomes_a_new_interpreter(tmp_path):
+    """On a GPU, a replica forked after a parent asked the CUDA driver fails at its first CUDA call ("Cannot
+    re-initialize CUDA in forked subprocess"): it execs a new interpreter instead, still the launcher's child."""
+    script = tmp_path / "replica.py"
+    script.write_text("import json, os, sys\nopen(sys.argv[1], 'w').write(json.dumps(['torch' in sys.modules, "
+                      "os.getppid(), sys.argv]))\n")
+    out = str(tmp_path / "seen")
+    done = subprocess.run([sys.executable, "-c", POISONED, str(script), out], env=ENV, capture_output=True,
+                          text=True, timeout=BOUND_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.splitlines()[-1])
+    assert seen["codes"] == [0, 0], done.stderr[-3000:]
+    forked, fresh = (json.loads(open(f"{out}.{k}").read()) for k in ("forked", "fresh"))
+    assert forked == [True, seen["launcher"], [str(script), f"{out}.forked"]]  # torch came with the fork
+    assert fresh == [False, seen["launcher"], [str(script), f"{out}.fresh"]]  # a new interpreter imported nothing

@@ -63,24 +63,45 @@ def summed(bodies: list[torch.Tensor], edges: list[torch.Tensor], device: torch.
 
 class ReplicaCheck:
     """The control's fingerprint slots for one reducer: ``1 + 4 x buckets`` int32 per rank
-    ([previous gradient present | parameters' int64 per bucket | previous reduced gradient's int64 per bucket])."""
+    ([what is present: 1 the gradient's, 2 the parameters' | parameters' int64 per bucket | previous reduced
+    gradient's int64 per bucket]).
+
+    With the data on a GPU and the control on the CPU, reading the fingerprints back at once would stall the
+    host on the device every synced backward; they are copied back without waiting instead and travel in the
+    next synced backward's control (``lag`` 1), by when the copy has long finished.
+    """
 
     def __init__(self, store: Any, names: Sequence[str], mode: bool | str = True):
         self.store, self.names, self.evict = store, list(names), mode == "evict"
         self.grads: torch.Tensor | None = None  # the previous synced backward's, per bucket
         self.views: dict[int, tuple[int, torch.Tensor | None, torch.Tensor | None]] = {}  # i -> (data_ptr, words)
         self.arrivals: dict[int, torch.Tensor] = {}  # bucket index -> its result's fingerprint, this synced backward
+        self.copied: tuple[torch.Tensor, Any] | None = None  # lag 1: the last control's slots on the host, their event
+        self.lag = 0
 
     def slots(self) -> int:
         return 1 + 4 * len(self.store.buckets)
 
     def outgoing(self, device: torch.device) -> torch.Tensor:
-        """This rank's slots for the control about to launch: the parameters now, the gradient before."""
+        """This rank's slots for the control about to launch: the parameters now, the gradient before (off
+        the device, those of the previous control)."""
         buckets, self.arrivals = self.store.buckets, {}
         grads, present = self.grads, self.grads is not None and self.grads.numel() == len(buckets)
-        mine = torch.stack([self.of_params(b.members) for b in buckets]).to(device)
-        out = torch.cat([mine, grads.to(device) if present else torch.zeros_like(mine)]).view(torch.int32)
-        return torch.cat([torch.tensor([int(present)], dtype=torch.int32, device=device), out])
+        mine = torch.stack([self.of_params(b.members) for b in buckets])
+        body = torch.cat([mine, grads if present else torch.zeros_like(mine)])
+        flags = torch.full((1,), 2 + int(present), dtype=torch.int64, device=body.device)  # no copy from the host
+        slots = torch.cat([flags, body])
+        self.lag = int(slots.device.type == "cuda" and device.type == "cpu")
+        if not self.lag:
+            slots = slots.to(device)
+        else:
+            ready, self.copied = self.copied, (slots.to(device, non_blocking=True), torch.cuda.Event())
+            self.copied[1].record()
+            if ready is None or ready[0].numel() != slots.numel():  # the first control, or the buckets changed
+                return torch.zeros(self.slots(), dtype=torch.int32, device=device)
+            ready[1].synchronize()  # recorded a synced backward ago: done unless the host runs that far ahead
+            slots = ready[0]
+        return torch.cat([slots[:1].to(torch.int32), slots[1:].view(torch.int32)])
 
     def of_params(self, members: Sequence[int]) -> torch.Tensor:
         """The fingerprint of these parameters, from word views kept while their memory stays the same."""
@@ -113,21 +134,21 @@ class ReplicaCheck:
 
     def forget(self) -> None:
         """The group changed (elastic re-formation): the next control carries no previous gradient."""
-        self.grads = None
+        self.grads = self.copied = None
 
     def check(self, slots: torch.Tensor, active: Sequence[int], sync: int, plane: Any) -> None:
         """Raise ``ReplicaMismatchError`` on every rank unless the active ranks' fingerprints agree."""
         b = len(self.store.buckets)
         rows = {r: slots[r] for r in active}
-        params = {r: row[1:1 + 2 * b].clone().view(torch.int64).tolist() for r, row in rows.items()}
-        grads = {r: row[1 + 2 * b:].clone().view(torch.int64).tolist() for r, row in rows.items() if int(row[0])}
-        bad_params, odd = disagreeing(params, b)
+        params = {r: row[1:1 + 2 * b].clone().view(torch.int64).tolist() for r, row in rows.items() if int(row[0]) & 2}
+        grads = {r: row[1 + 2 * b:].clone().view(torch.int64).tolist() for r, row in rows.items() if int(row[0]) & 1}
+        bad_params, odd = disagreeing(params, b) if len(params) == len(rows) else ([], set())
         bad_grads, odd_grads = disagreeing(grads, b) if len(grads) == len(rows) else ([], set())
         if not bad_params and not bad_grads:
             return
         ranks = sorted(odd | odd_grads)
         names = self.name_parameters(bad_params, active, plane) if bad_params else []
-        text = mismatch_text(ranks, list(active), sync, bad_params, bad_grads, names)
+        text = mismatch_text(ranks, list(active), sync, bad_params, bad_grads, names, self.lag)
         if self.evict and plane.protocol is not None and 2 * len(ranks) < len(active):
             if plane.rank not in ranks:  # the majority re-forms without the minority and reduces the window again
                 raise PeerFailure(f"gradsync: synced backward {sync}: {who(ranks, list(active))}: evicting them "
@@ -169,19 +190,20 @@ def who(ranks: list[int], active: list[int]) -> str:
 
 
 def mismatch_text(ranks: list[int], active: list[int], sync: int, params: list[int], grads: list[int],
-                  names: list[str]) -> str:
+                  names: list[str], lag: int = 0) -> str:
     what = []
     if params:
         shown = ", ".join(f"'{n}'" for n in names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
-        what.append(f"their parameters differ (bucket(s) {params}: {shown}) as the last optimizer step left them")
+        when = "the last optimizer step" if not lag else f"the optimizer step before synced backward {sync - lag}"
+        what.append(f"their parameters differ (bucket(s) {params}: {shown}) as {when} left them")
     if grads:
-        what.append(f"their reduced gradients of synced backward {sync - 1} differ (bucket(s) {grads})")
+        what.append(f"their reduced gradients of synced backward {sync - 1 - lag} differ (bucket(s) {grads})")
     return (f"gradsync: the replicas stopped agreeing at synced backward {sync}: {who(ranks, active)}: {'; '.join(what)}. Every "
             "replica must hold the same bits; a silent fault (a flipped bit in memory, on a link or in the optimizer's "
             "state) broke that, and training on would let them drift apart for good. No gradient of this synced "
             "backward was written back (with overlap_optimizer, its buckets already stepped). "
             "Check or replace the named rank's host (a memory test of its GPU or RAM), then resume every rank from "
-            f"a checkpoint saved before synced backward {max(sync - 2, 0)}.")
+            f"a checkpoint saved before synced backward {max(sync - 2 - lag, 0)}.")
 
 
 __all__ = ["ReplicaCheck", "disagreeing", "fingerprint", "mismatch_text", "summed", "who", "words"]

@@ -12,6 +12,10 @@ replica is handed to the launcher when the middle one exits; the replica starts 
 server has reaped the middle. The launcher then waits for it with ``waitpid`` and reads its exit
 code as it would a ``Popen``'s; orphans of a replica's own children come to the launcher too, and
 it reaps them.
+
+A process forked after its parent asked the CUDA driver anything (``torch.cuda.is_available()`` does)
+cannot use CUDA: a replica forked so replaces itself with a new interpreter, as ``--fresh-interpreters``
+would have started it.
 """
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ import runpy
 import signal
 import sys
 
-from ..._torch import OPTIMIZER_IMPORTS
+from ..._torch import OPTIMIZER_IMPORTS, cuda_fork_poisoned
 
 PRELOAD = ("torch", "torch.distributed", *OPTIMIZER_IMPORTS, "gradsync")
 _PR_SET_CHILD_SUBREAPER = 36
@@ -154,6 +158,8 @@ def _run(argv: list[str], env: dict[str, str]) -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
     os.environ.clear()
     os.environ.update(env)
+    if cuda_fork_poisoned():  # a parent asked the CUDA driver before the fork: only a new interpreter can use it
+        os.execve(sys.executable, [sys.executable, *argv], env)
     # a new interpreter seeds torch's and numpy's global generators from the OS (Python's random reseeds at fork)
     sys.modules["torch"].default_generator.seed()
     if "numpy" in sys.modules:
