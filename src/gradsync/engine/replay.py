@@ -13,10 +13,13 @@ end-of-backward control, and every rank then reduces its local window again, the
 with nothing (``reduce_again_without``: one more round of bucket collectives, only then). That
 needs each rank's window apart from its buckets: with gradient views or ``reduce_dtype`` the buckets
 reduce staged copies once the accumulator has ``skip_on`` (``BucketStore.keep_window_apart``); with
-sharding or ``overlap_optimizer`` every rank raises ``SyncError`` instead.
+sharding or ``overlap_optimizer`` every rank raises ``SyncError`` instead. With ``static_graph``, a
+synced backward this rank skipped or failed does not teach it the graph (``unlearned``).
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,13 +52,11 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
     if ddp.join_state is not None:
         raise NotImplementedError("gradsync: skipping a micro-step inside model.join() is not supported: "
                                   "the join handshake already lets a rank run out of data; skip outside it")
-    if r.config.static_graph:
-        raise NotImplementedError("gradsync: skipping a micro-step with static_graph=True is not supported: "
-                                  "the graph would change. Construct the model with static_graph=False")
     c = r.counters
     if r.it.in_backward:  # the backward began: some gradients of this micro-step may be in .grad
         if r.it.syncing:
-            r.finish_grad_sync(failed=1 if again else 2)  # every rank reduces again without this window, or raises
+            with unlearned(r):
+                r.finish_grad_sync(failed=1 if again else 2)  # every rank reduces again without this window, or raises
             return "resynced"
         drop_window(r)
         return "dropped"
@@ -69,8 +70,21 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
     if c.backward == start.backward:
         c.backward += 1
     if sync:
-        sync_without_backward(r)
+        with unlearned(r):
+            sync_without_backward(r)
     return "replayed"
+
+
+@contextlib.contextmanager
+def unlearned(r: Any) -> Iterator[None]:
+    """static_graph learns how often each hook fires from the first synced backward: not from one this rank
+    skipped or that failed part-way here (its counts would be wrong); the next synced backward teaches it."""
+    learning = r.config.static_graph and r.expected.static_counts is None
+    try:
+        yield
+    finally:
+        if learning:
+            r.expected.static_counts = None
 
 
 def advance(ddp: Any, micro_steps: int) -> None:
