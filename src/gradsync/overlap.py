@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from . import process
+from ._torch import foreach_mul_
 from .ddp.seam import ReducerView, SyncTarget
 from .accumulate.optim import WindowOptimizer
 
@@ -57,6 +58,8 @@ class OverlappedStep:
         # the model weakly: its finalizer holds the reducer, which holds this handle
         self._model, self.optimizer, self.reducer = weakref.ref(model), optimizer, reducer
         self.stepped = False  # the latest synced backward stepped every bucket; step() is then a no-op
+        self.rescale: Any = None  # an accumulator's window factor, asked before each bucket steps (None: no step)
+        _STEPS[id(reducer)] = self
         self._group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._plain_step = optimizer.step
         optimizer.step = self._step  # an instance attribute: remove() deletes it
@@ -70,6 +73,14 @@ class OverlappedStep:
 
     def _step_bucket(self, members: list[int]) -> None:
         params = [self.reducer.params[i] for i in members]
+        last = members[-1] == self.reducer.buckets[-1].members[-1]
+        factor = self.rescale() if self.rescale is not None else 1.0
+        self.rescale = self.rescale if not last else None
+        if factor is None:  # the accumulator's window ran nowhere: it does not step
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        if factor != 1.0 and grads:  # num_items, or skipped micro-steps: the window's mean, before the step
+            foreach_mul_(grads, factor)
         groups = self.optimizer.param_groups
         kept = [g["params"] for g in groups]
         try:
@@ -79,7 +90,7 @@ class OverlappedStep:
         finally:
             for g, ps in zip(groups, kept):
                 g["params"] = ps
-        self.stepped = members[-1] == self.reducer.buckets[-1].members[-1] or self.stepped
+        self.stepped = last or self.stepped
 
     def _step(self, closure: Any = None) -> Any:
         if closure is not None:
@@ -97,6 +108,7 @@ class OverlappedStep:
         """Step after backward again, as without ``overlap_optimizer``."""
         if self.reducer.bucket_reduced == self._step_bucket:
             self.reducer.on_bucket_reduced(None)
+            _STEPS.pop(id(self.reducer), None)
         self.optimizer.__dict__.pop("step", None)
         process.release_clip_grad_norm(self)
 
@@ -108,6 +120,19 @@ class OverlappedStep:
                 "already made, bucket by bucket: clipping now changes nothing, and a global norm "
                 "cannot be known before the last bucket. Remove overlap_optimizer (handle.remove()) "
                 "to clip.")
+
+
+_STEPS: weakref.WeakValueDictionary[int, OverlappedStep] = weakref.WeakValueDictionary()  # by id(reducer)
+
+
+def _window_rescale(model: Any, factor: Any) -> None:
+    """An accumulator's window is about to sync: its buckets step only after ``factor()`` rescaled them."""
+    step = _STEPS.get(id(getattr(model, "reducer", None)))
+    if step is not None:
+        step.rescale = factor
+
+
+process.listen("window_rescale", _window_rescale)
 
 
 def overlap_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> OverlappedStep:

@@ -65,7 +65,7 @@ def micro_batches(world_size):
 
 def train(rank, world_size, plan, mode, buffers=False, options=None):
     opts = dict(options or {})
-    wrap, sync_each_batch = opts.pop("wrap", "ddp"), opts.pop("sync_each_batch", False)
+    wrap, sync_each_batch, overlap = opts.pop("wrap", "ddp"), opts.pop("sync_each_batch", False), opts.pop("overlap", False)
     net = Faulty(buffers)
     if wrap == "sharded":
         model = gradsync.ShardedDataParallel(net, bucket_cap_mb=0.001, **opts)
@@ -73,6 +73,8 @@ def train(rank, world_size, plan, mode, buffers=False, options=None):
     else:
         model = gradsync.DDP(net, bucket_cap_mb=0.001, **opts)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if overlap:  # each bucket steps inside the synced backward, rescaled first
+            gradsync.overlap_optimizer(model, opt)
     acc = gradsync.GradientAccumulator(model, steps=STEPS, sync_each_batch=sync_each_batch,
                                        skip_on=(OOM,), skip_nonfinite=True)
     opt = acc.wrap_optimizer(opt)
@@ -184,10 +186,10 @@ SYNCED = {key: f for key, f in MIXED.items() if f != "backward"}  # no backward 
 
 
 @pytest.mark.parametrize("how", ["sync_each_batch", "sharded", "reduce_dtype", "find_unused_parameters", "views",
-                                 "static_graph"])
+                                 "static_graph", "overlap_optimizer"])
 def test_skips_combine_with_other_modes(how):
     opts = {"sync_each_batch": dict(sync_each_batch=True), "sharded": dict(wrap="sharded"),
-            "static_graph": dict(static_graph=True),
+            "static_graph": dict(static_graph=True), "overlap_optimizer": dict(overlap=True),
             "reduce_dtype": dict(reduce_dtype=torch.float32), "views": dict(gradient_as_bucket_view=True),
             "find_unused_parameters": dict(find_unused_parameters=True)}[how]
     plan = {key: f for key, f in (SYNCED if how == "sync_each_batch" else MIXED).items() if key[2] < 2}
@@ -202,7 +204,8 @@ SYNC_FAILS = {(0, 2, 0): "backward", (1, 2, 1): "backward", (1, 0, 0): "nan", (2
     (2, "mean", {}), (3, "items", {}), (2, "items", {"gradient_as_bucket_view": True}),
     (3, "mean", {"reduce_dtype": torch.float32}),
     (2, "mean", {"reduce_dtype": torch.float32, "gradient_as_bucket_view": True}),
-    (3, "items", {"static_graph": True})])
+    (3, "items", {"static_graph": True}), (3, "mean", {"overlap": True}),
+    (2, "items", {"overlap": True, "gradient_as_bucket_view": True})])
 def test_a_backward_failing_while_it_syncs_is_reduced_again_without_its_window(world_size, mode, options):
     """With gradient views or reduce_dtype the window lives in the buckets: skip_on makes each bucket reduce
     a copy (keep_window_apart), so the window survives to be reduced again."""
@@ -226,27 +229,14 @@ def test_a_failed_synced_backward_that_cannot_be_redone_raises_on_every_rank_at_
         assert seconds < 30
 
 
-def overlapped(rank, world_size):
-    from helpers import outcome
-    net = Faulty()
-    model = gradsync.DDP(net)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gradsync.overlap_optimizer(model, opt)
-    acc = gradsync.GradientAccumulator(model, steps=2)
-    x, y = micro_batches(world_size)[0]
-
-    def window():
-        for i in range(2):
-            with acc.accumulate():
-                if i == 0 and rank == 0:
-                    acc.skip("bad batch")
-                acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
-    return outcome(window)
-
-
-def test_overlap_optimizer_refuses_a_window_with_a_skip():
-    for kind, message, _ in faults(overlapped):
-        assert kind == "RuntimeError" and "overlap_optimizer" in message
+@pytest.mark.parametrize("mode", ["mean", "items"])
+def test_overlap_optimizer_steps_a_window_every_rank_skipped_nowhere(mode):
+    """overlap_optimizer steps each bucket inside the synced backward: a window that ran on no rank must not step
+    (its factor is None), and the next one steps as usual."""
+    plan = {key: f for key, f in EVERY_RANK_SKIPS_WINDOW_1.items() if key[2] < 2}
+    results = run_ranks(train, 2, plan, mode, False, {"overlap": True})
+    check(results, plan, mode, 2)
+    assert [empty for _, _, empty in results] == [[False, True, False]] * 2
 
 
 def test_skip_on_refuses_what_must_never_be_skipped():

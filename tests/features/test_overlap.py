@@ -59,6 +59,31 @@ def test_accumulation_windows_step_only_at_the_window_end():
         assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
 
 
+def item_windows(rank, world_size, overlapped, view):
+    """AdamW over windows of 3 micro-steps whose losses are sums over an uneven number of rows (num_items)."""
+    model = gradsync.DDP(mlp(seed=0), gradient_as_bucket_view=view, **SMALL_BUCKETS)
+    acc = gradsync.GradientAccumulator(model, steps=3)
+    opt = acc.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
+    if overlapped:
+        gradsync.overlap_optimizer(model, opt)
+    for k, (x, y) in enumerate(acc.iterate(batches(9, world_size))):
+        n = 1 + (k + 2 * rank) % 3
+        with acc.accumulate():
+            out = model(shard(x, rank, world_size))[:n]
+            acc.backward(F.mse_loss(out, shard(y, rank, world_size)[:n], reduction="sum"), num_items=n)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+@pytest.mark.parametrize("view", [False, True], ids=["copy", "view"])
+def test_num_items_rescales_each_bucket_before_it_steps(view):
+    """The window's factor (world size / items on every rank) is known once the synced backward's header is in:
+    each bucket is rescaled before it steps, and the parameters equal the plain loop's bit for bit."""
+    for ours, theirs in zip(run_ranks(item_windows, 2, True, view), run_ranks(item_windows, 2, False, view)):
+        assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
 def gated(rank, world_size):
     """The last bucket's future completes only when bucket 0's parameters have been stepped."""
     model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
@@ -116,11 +141,6 @@ def misuse(rank, world_size, how):
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         if how == "closure":
             opt.step(lambda: 0.0)
-        if how == "items":
-            acc = gradsync.GradientAccumulator(model, steps=1)
-            with acc.accumulate():
-                out = model(shard(x, rank, world_size))
-                acc.backward(F.mse_loss(out, shard(y, rank, world_size), reduction="sum"), num_items=3)
     return outcome(run)
 
 
@@ -131,7 +151,6 @@ def misuse(rank, world_size, how):
     ("step_without_backward", "RuntimeError", "without a synced backward since the last step"),
     ("clip", "RuntimeError", "clip_grad_norm_ after a backward"),
     ("closure", "RuntimeError", "step(closure) cannot re-run it"),
-    ("items", "RuntimeError", "overlap_optimizer already stepped"),
 ])
 def test_what_cannot_be_split_per_bucket_raises(how, error, words):
     for kind, message, _ in faults(misuse, how):

@@ -19,19 +19,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._torch import foreach_mul_
 from ..engine.errors import SyncError
 from ..ddp.seam import SyncTarget
 from .. import process
 from .noise import NoiseEstimates
-from .normalize import ITEMS, MEAN, MEAN_WITH_ITEMS, TAG, as_count, check_kinds, is_mean, window_factor, without_failed
-from .skips import SkipMicroStep, check_skip_on, exchange_records, reason_of, skippable
+from .normalize import ITEMS, MEAN, MEAN_WITH_ITEMS, as_count, is_mean
+from .skips import SkipMicroStep, check_skip_on, reason_of, skippable
 from .optim import WindowOptimizer, WindowScheduler
-from .windows import Windows
+from .close import WindowClose
 
 
 
-class GradientAccumulator(Windows):
+class GradientAccumulator(WindowClose):
     """Accumulate gradients over windows of ``steps`` micro-steps, communicating once per window.
 
     Inside a window the model runs without communication; the micro-step that closes it syncs
@@ -68,6 +67,8 @@ class GradientAccumulator(Windows):
         self._started = False  # this micro-step's backward began
         self._pending_carry: Any = None  # the reader of what this micro-step's backward carries
         self._mark: Any = None
+        # the window's rescale: (items, units) sent, its rows and factor once known, whether overlap_optimizer applied it
+        self._sent, self._rows_seen, self._rescale, self._prescaled = (0.0, 0.0), {}, None, False
         process.announce("accumulator", self)  # features that follow windows attach here (gradsync.elastic)
 
     def window_position(self) -> tuple[int, int, int] | None:
@@ -184,56 +185,6 @@ class GradientAccumulator(Windows):
         self._ran.append(self._position)
         self._units += unit
 
-    def _carry(self, units: int, count: float = 0.0) -> Any:
-        """At a window's synced backward, send this rank's kind of window, item count, loss units that
-        ran and number of skips in its phase header; return the reader of every active rank's, or None
-        where nothing is carried."""
-        if not (self._boundary and self._world_size > 1 and self._target is not None):
-            return None
-        return self._target.carry_with_next_sync((TAG[self._kind], count, float(units), float(len(self._records))))
-
-    def _close(self, carried: Any, work: Any = None) -> None:
-        """The window's synced backward is done: rescale so that the window's gradient is the mean
-        over what ran on every rank (items, or loss units: micro-steps or rows), note the skips."""
-        rows = carried() if carried is not None else None
-        if carried is not None and rows is None:
-            raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
-                               "parameter got one), so the item counts were not exchanged; every "
-                               "window must end with a backward through the model")
-        if rows is None:  # one rank, or no header: every rank is taken to have run what this one did
-            w = self._world_size
-            total = float(self._items) if work is None and self._items is not None else None
-            if work is not None:
-                self._wait(work[0])
-                total = float(work[1])
-            rows = {0: (TAG[self._kind], total or 0.0, float(w * self._units), float(len(self._records)))}
-        rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
-        check_kinds(rows, self.windows)
-        self.skipped = self._gather_skips(rows)
-        expected = self._scale_len if self._weights is None else sum(self._rows)
-        factor = window_factor(rows, self._world_size, expected, bool(self.skipped))
-        if factor is None:
-            self.window_empty = True
-            warnings.warn(f"gradsync: every micro-step of window {self.windows} was skipped on every rank "
-                          f"({len(self.skipped)} skips); the optimizer and scheduler do not step for it",
-                          UserWarning, stacklevel=4)
-            return
-        self._scale(factor)
-        if self.noise.scale is not None:
-            several = self._world_size > 1 and self._target is not None
-            self.noise.observe(rows, items=self._kind == ITEMS, split=self._weights is not None, several=several,
-                               scale_len=self._scale_len,
-                               item_count=self._items, units=self._units)
-
-    def _gather_skips(self, rows: dict[int, tuple[float, ...]]) -> list[tuple[int, int, str]]:
-        if not any(row[3] for row in rows.values()):
-            return []
-        if self._target is None or self._world_size == 1:
-            return [(0, step, reason) for step, reason in self._records]
-        group, device = self._target.control_group()
-        return exchange_records(self._records, rank=dist.get_rank(group), world_size=self._world_size,
-                                group=group, device=device, wait=self._target.wait)
-
     # ---------------------------------------------------------------- skips
     def skip(self, reason: str = "skipped") -> None:
         """End this micro-step on this rank: it contributes nothing, and the window's gradient is the
@@ -269,25 +220,9 @@ class GradientAccumulator(Windows):
                     p.grad = None
             self._records += [(k - 1, f"dropped with micro-step {step}: its backward failed part-way")
                               for k in self._ran]
-            self._ran, self._units, self._items = [], 0, None
+            self._ran, self._units, self._items, self._sent = [], 0, None, (0.0, 0.0)
         if self._boundary:
             self._close(carried)
-
-    def _scale(self, factor: float) -> None:
-        if factor == 1.0:
-            return
-        if self._target is not None:
-            self._target.scale_grads_(factor)
-            return
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
-        if grads:
-            foreach_mul_(grads, factor)
-
-    def _wait(self, work: Any) -> None:
-        if self._target is not None:
-            self._target.wait(work, "the all-reduce of the window's item count")
-        else:
-            work.wait()
 
     # ---------------------------------------------------------------- wrappers
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

@@ -178,8 +178,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         replay.advance(self, micro_steps)
 
     def keep_window_apart(self) -> None:
-        """Reduce copies of the buckets, so a synced backward that fails part-way can be reduced again."""
-        self.reducer.store.keep_window_apart()
+        """Keep the window apart from the buckets in flight: a synced backward that fails part-way is reduced again."""
+        replay.keep_window_apart(self.reducer)
 
     def failed_ranks(self) -> list[int]:
         """Ranks whose latest synced backward failed part-way (their window was reduced as nothing)."""

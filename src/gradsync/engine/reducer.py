@@ -56,7 +56,7 @@ class Reducer:
         self.launcher = launcher(self.plane) if launcher else BucketLauncher(process_group, self.plane, self.params)
         self.it = IterationState()
         self.trace: list[dict] | None = None  # [] records a timeline per synced backward (enable_trace)
-        self.bucket_reduced: Callable[[list[int]], None] | None = None  # overlap_optimizer (on_bucket_reduced)
+        self.bucket_reduced, self.window_apart = None, False  # overlap_optimizer's step per bucket; keep_window_apart
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
         self.window_used = [False] * len(self.params)  # used locally since the last synced backward
         self.unsynced = False  # local gradients are waiting for a synced backward (ddp/guard.py reads it)
@@ -247,7 +247,7 @@ class Reducer:
         used, ready = self.window_used if self.tracks_graph else [True] * n if failed else it.hooked, it.t_ready or time.perf_counter()
         self.launcher.before_control([b.handle for b in store.buckets])
         control = self.plane.send_control(used, failed, telemetry.local_norm2(self) if self.measure_norm else None)  # in flight beside them
-        if self.bucket_reduced is not None and self.attached is None:  # overlap_optimizer: step bucket by bucket
+        if self.bucket_reduced is not None and self.attached is None and not self.window_apart:  # overlap_optimizer: step each as reduced
             results = store.write_back_as_reduced(self.launcher, self.world_size, self.finite_check, self.bucket_done)
         else:  # every bucket's, or a skipped one's own buffer (unused.py, only when enabled: off the trip)
             results = self.skips.results(self.launcher, store.buckets) if self.skips.enabled else [

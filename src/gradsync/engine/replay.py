@@ -12,8 +12,8 @@ launched buckets holding partial gradients: the rank sends the rest anyway and f
 end-of-backward control, and every rank then reduces its local window again, the failed rank
 with nothing (``reduce_again_without``: one more round of bucket collectives, only then). That
 needs each rank's window apart from its buckets: with gradient views or ``reduce_dtype`` the buckets
-reduce staged copies once the accumulator has ``skip_on`` (``BucketStore.keep_window_apart``); with
-sharding or ``overlap_optimizer`` every rank raises ``SyncError`` instead. With ``static_graph``, a
+reduce staged copies once the accumulator has ``skip_on`` (``keep_window_apart``), and ``overlap_optimizer``
+steps only after the control; with sharding every rank raises ``SyncError`` instead. With ``static_graph``, a
 synced backward this rank skipped or failed does not teach it the graph (``unlearned``).
 """
 from __future__ import annotations
@@ -97,6 +97,14 @@ def advance(ddp: Any, micro_steps: int) -> None:
     c.forward, c.backward = c.forward + micro_steps * int(ddp.module.training), c.backward + micro_steps
 
 
+def keep_window_apart(r: Any) -> None:
+    """The window outlives a synced backward that fails part-way (``skip_on``): the buckets reduce staged copies
+    where they hold it (views, ``reduce_dtype``), and overlap_optimizer steps each bucket only after the control,
+    once no rank failed (``reduce_again_without`` otherwise)."""
+    r.store.keep_window_apart()
+    r.window_apart = True
+
+
 def drop_window(r: Any) -> None:
     """Forget this rank's local gradients since the last synced backward (a failed backward's partial
     gradients among them): the next synced backward reduces nothing of them."""
@@ -125,10 +133,10 @@ def reduce_again_without(r: Any, flags: dict[int, int]) -> list[Any]:
             "sending some of their buckets, and their window already held gradients synchronized earlier "
             "in it (sync_each_batch=True), which a reduction without them would lose. No gradient was "
             "written back: call optimizer.zero_grad() and run the window again.")
-    if r.bucket_reduced is not None or not store.keeps_local_grads:
+    if (r.bucket_reduced is not None and not r.window_apart) or not store.keeps_local_grads:
         raise SyncError(
             f"gradsync: rank(s) {failed} failed part-way through synced backward {r.sync_count}, after "
-            "sending some of their buckets. With ShardedDataParallel or overlap_optimizer a rank's window is "
+            "sending some of their buckets. With ShardedDataParallel a rank's window is "
             "not kept apart from its buckets, so it cannot be reduced again without the failed rank. No gradient "
             "was written back: call optimizer.zero_grad() and run the window again (or skip only failures before "
             "the window's last backward).")

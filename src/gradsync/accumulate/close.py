@@ -1,0 +1,109 @@
+"""Closing a window: the factor that makes its gradient the mean over what ran, and the skips' records.
+
+Each rank's row ``(kind tag, item count, loss units that ran, skips)`` rides in the phase header of the
+window's synced backward (``_carry``); the factor comes from every active rank's row (``normalize.py``).
+Usually the accumulator multiplies the reduced gradients by it after that backward (``_close``). With
+``overlap_optimizer`` each bucket steps inside the backward, so the optimizer asks for the factor
+(``_prescale``, announced as ``"window_rescale"``) before each bucket steps, once the header is in.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch.distributed as dist
+
+from .. import process
+from .._torch import foreach_mul_
+from .normalize import ITEMS, TAG, check_kinds, window_factor, without_failed
+from .skips import exchange_records
+from .windows import Windows
+
+
+class WindowClose(Windows):
+    """Windows that close: the rescale and the skips' records at each window's end (``GradientAccumulator``
+    adds the micro-steps, their backward and their skips)."""
+
+    def _carry(self, units: int, count: float = 0.0) -> Any:
+        """At a window's synced backward, send this rank's kind of window, item count, loss units that
+        ran and number of skips in its phase header; return the reader of every active rank's, or None
+        where nothing is carried. Offer overlap_optimizer the window's rescale, known once the header is in."""
+        if not self._boundary:
+            return None
+        self._sent, self._rescale = (float(count), float(units)), None
+        carried = self._target.carry_with_next_sync((TAG[self._kind], count, float(units), float(len(self._records)))) \
+            if self._world_size > 1 and self._target is not None else None
+        process.announce("window_rescale", self.model, lambda: self._prescale(carried))
+        return carried
+
+    def _prescale(self, carried: Any) -> float | None:
+        """overlap_optimizer's question, inside the synced backward before a bucket steps: the window's rescale."""
+        self._prescaled = True
+        return self._window_factor(carried)
+
+    def _window_factor(self, carried: Any, work: Any = None) -> float | None:
+        """The factor that makes the window's gradient the mean over what ran on every rank (items, or loss
+        units: micro-steps or rows); None: nothing ran. Computed once per window."""
+        if self._rescale is not None:
+            return self._rescale[0]
+        rows = carried() if carried is not None else None
+        if carried is not None and rows is None:
+            raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
+                               "parameter got one), so the item counts were not exchanged; every "
+                               "window must end with a backward through the model")
+        if rows is None:  # one rank, or no header: every rank is taken to have run what this one did
+            total = self._sent[0] if self._kind == ITEMS else None
+            if work is not None:
+                self._wait(work[0])
+                total = float(work[1])
+            rows = {0: (TAG[self._kind], total or 0.0, self._world_size * self._sent[1], float(len(self._records)))}
+        self._rows_seen = rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
+        check_kinds(rows, self.windows)
+        expected = self._scale_len if self._weights is None else sum(self._rows)
+        self._rescale = (window_factor(rows, self._world_size, expected, any(row[3] for row in rows.values())),)
+        return self._rescale[0]
+
+    def _close(self, carried: Any, work: Any = None) -> None:
+        """The window's synced backward is done: rescale (unless overlap_optimizer did, bucket by bucket), note
+        the skips."""
+        factor, prescaled, self._prescaled = self._window_factor(carried, work), self._prescaled, False
+        rows, self._rescale = self._rows_seen, None
+        self.skipped = self._gather_skips(rows)
+        if factor is None:
+            self.window_empty = True
+            warnings.warn(f"gradsync: every micro-step of window {self.windows} was skipped on every rank "
+                          f"({len(self.skipped)} skips); the optimizer and scheduler do not step for it",
+                          UserWarning, stacklevel=4)
+            return
+        if not prescaled:
+            self._scale(factor)
+        if self.noise.scale is not None:
+            several = self._world_size > 1 and self._target is not None
+            self.noise.observe(rows, items=self._kind == ITEMS, split=self._weights is not None, several=several,
+                               scale_len=self._scale_len,
+                               item_count=self._items, units=self._units)
+
+    def _gather_skips(self, rows: dict[int, tuple[float, ...]]) -> list[tuple[int, int, str]]:
+        if not any(row[3] for row in rows.values()):
+            return []
+        if self._target is None or self._world_size == 1:
+            return [(0, step, reason) for step, reason in self._records]
+        group, device = self._target.control_group()
+        return exchange_records(self._records, rank=dist.get_rank(group), world_size=self._world_size,
+                                group=group, device=device, wait=self._target.wait)
+
+    def _scale(self, factor: float) -> None:
+        if factor == 1.0:
+            return
+        if self._target is not None:
+            self._target.scale_grads_(factor)
+            return
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if grads:
+            foreach_mul_(grads, factor)
+
+    def _wait(self, work: Any) -> None:
+        if self._target is not None:
+            self._target.wait(work, "the all-reduce of the window's item count")
+        else:
+            work.wait()
