@@ -107,3 +107,15 @@ class WindowClose(Windows):
             self._target.wait(work, "the all-reduce of the window's item count")
         else:
             work.wait()
+
+
+def _shadow_skip_records(reducer: Any, failed: list[int]) -> None:
+    """A joined rank shadowed a synced backward (``model.join()``): where the active ranks' header showed skips
+    (or a rank failed), they exchange the skip records next (``_gather_skips``); take part with none."""
+    rows = without_failed(reducer.plane.payloads or {}, failed)
+    if any(len(row) > 3 and row[3] for row in rows.values()):
+        exchange_records([], rank=reducer.rank, world_size=reducer.world_size, group=reducer.plane.group,
+                         device=reducer.plane.device, wait=reducer.wait)
+
+
+process.listen("shadowed_sync", _shadow_skip_records)

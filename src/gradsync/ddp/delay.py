@@ -42,12 +42,25 @@ class DelayedAllReduce:
         # queued once more: the reducer's end-of-backward may have been queued after this callback
         queue_end_of_backward(self._reduce)
 
-    @torch.no_grad()
     def _reduce(self) -> None:
         before, self._syncs_before = self._syncs_before, None
         ddp = self._ddp()
-        if ddp is None or ddp.reducer.sync_count == before:  # this backward did not synchronize
-            return
+        if ddp is not None and ddp.reducer.sync_count != before:  # this backward synchronized
+            self.reduce_now(ddp)
+
+    def grads(self) -> list[torch.Tensor]:
+        """These parameters' gradients: the accumulator rescales them with the buckets' (``scale_grads_``)."""
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def drop_local(self) -> None:
+        """A skipped micro-step's backward failed part-way: drop these parameters' window, as the reducer does."""
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def reduce_now(self, ddp: Any) -> None:
+        """Average these parameters' window over the ranks (a skipping rank's stand-in calls it as the others'
+        backward did)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         flat = torch.cat([g.reshape(-1) for g in grads]).div_(ddp.world_size)
         ddp.wait(dist.all_reduce(flat, group=ddp.process_group, async_op=True),

@@ -45,6 +45,7 @@ class DDPJoinHook(JoinHook):
         self.ddp = ddp
         self.last_active = list(range(ddp.world_size))  # ranks active in the latest handshake with any
         self.expect_sync: bool | None = None
+        self.handshakes = 0  # this rank's, as an active rank
         self._own_hook = False
         reducer = ddp.reducer
         if not divide_by_initial_world_size and reducer.launcher.hook is None:
@@ -74,6 +75,7 @@ class DDPJoinHook(JoinHook):
         if work is not None:
             ddp.reducer.wait(work, "the join notification")
         will_sync = ddp.require_backward_grad_sync and torch.is_grad_enabled()
+        self.handshakes += 1  # a micro-step skipped before it (replay.py) runs it in its stand-in
         active, syncs, _ = self._handshake(True, will_sync, ddp.will_broadcast_buffers())
         ddp.reducer.plane.set_active(active)
         self.expect_sync = syncs if torch.is_grad_enabled() else None

@@ -283,7 +283,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Multiply every synchronized gradient by ``factor`` (used by the accumulator)."""
         if self.reducer.bucket_reduced is not None and factor != 1.0:
             raise RuntimeError(messages.RESCALE_AFTER_OVERLAP)
-        grads = self.reducer.store.grad_tensors()
+        grads = self.reducer.store.grad_tensors() + (self.delayed.grads() if self.delayed is not None else [])
         if grads:
             foreach_mul_(grads, factor)
 

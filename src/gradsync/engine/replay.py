@@ -14,7 +14,9 @@ with nothing (``reduce_again_without``: one more round of bucket collectives, on
 needs each rank's window apart from its buckets: with gradient views or ``reduce_dtype`` the buckets
 reduce staged copies once the accumulator has ``skip_on`` (``keep_window_apart``), and ``overlap_optimizer``
 steps only after the control; with sharding every rank raises ``SyncError`` instead. With ``static_graph``, a
-synced backward this rank skipped or failed does not teach it the graph (``unlearned``).
+synced backward this rank skipped or failed does not teach it the graph (``unlearned``). Inside
+``model.join()`` a micro-step skipped before its forward runs the join handshake too, and the joined ranks
+shadow whatever follows (``shadow.py``).
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from .._torch import join_enabled
 from .control import FORWARD
 from .errors import SyncError
 from .iteration import IterationState
@@ -36,11 +39,13 @@ class Mark:
     backward: int
     pending: int
     headers: int
+    handshakes: int  # inside model.join(): the join handshakes this rank ran as an active rank
 
 
 def mark(ddp: Any) -> Mark:
     r = ddp.reducer
-    return Mark(r.counters.forward, r.counters.backward, r.counters.pending, r.plane.headers_sent)
+    return Mark(r.counters.forward, r.counters.backward, r.counters.pending, r.plane.headers_sent,
+                getattr(ddp.join_state, "handshakes", 0))
 
 
 def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
@@ -49,21 +54,27 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
     rank reduced again without this rank's window; ``again=False``: this rank's window already holds
     synced gradients (``sync_each_batch``), so that would not be exact and every rank raises)."""
     r = ddp.reducer
-    if ddp.join_state is not None:
-        raise NotImplementedError("gradsync: skipping a micro-step inside model.join() is not supported: "
-                                  "the join handshake already lets a rank run out of data; skip outside it")
     c = r.counters
     if r.it.in_backward:  # the backward began: some gradients of this micro-step may be in .grad
+        delayed = getattr(ddp, "delayed", None)  # delay_all_reduce_named_params: its window goes too
         if r.it.syncing:
             with unlearned(r):
                 r.finish_grad_sync(failed=1 if again else 2)  # every rank reduces again without this window, or raises
+            if delayed is not None:  # then the others' delayed all-reduce, with nothing from this rank
+                delayed.drop_local()
+                delayed.reduce_now(ddp)
             return "resynced"
         drop_window(r)
+        if delayed is not None:
+            delayed.drop_local()
         return "dropped"
+    join = ddp.join_state if ddp.join_state is not None and join_enabled(ddp) else None
+    if join is not None and join.handshakes == start.handshakes:  # skipped before the forward reached it
+        join.before_forward()
     if (c.forward == start.forward and r.plane.headers_sent == start.headers and ddp.will_broadcast_buffers()
             and next(ddp.module.buffers(), None) is not None):
         r.plane.exchange_header(FORWARD)  # the forward (or its broadcast) did not run here
-        ddp.broadcast_buffers_from(0)
+        ddp.broadcast_buffers_from((r.plane.active_ranks or [0])[0])  # inside join(): the lowest active rank
     if c.forward == start.forward:
         c.forward += int(ddp.module.training)  # as the others' training forward counted
     c.pending = min(c.pending, start.pending)  # a forward without its backward
@@ -72,6 +83,8 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
     if sync:
         with unlearned(r):
             sync_without_backward(r)
+        if getattr(ddp, "delayed", None) is not None:  # as the others' backward ends: the delayed all-reduce
+            ddp.delayed.reduce_now(ddp)
     return "replayed"
 
 

@@ -1,13 +1,15 @@
 """A joined rank's part in the active ranks' synced backward (``model.join()``, ``ddp/join.py``).
 
 It issues what they issue, in their order, with zero gradients: the phase header (an empty row), every
-bucket's collective, the end-of-backward control; then counts the synced backward as theirs and re-plans
-the buckets as they do.
+bucket's collective, the end-of-backward control, and every bucket's collective once more when the control
+says a rank's backward failed part-way (``replay.py``); then counts the synced backward as theirs and
+re-plans the buckets as they do.
 """
 from __future__ import annotations
 
 import torch
 
+from .. import process
 from .control import empty_control
 from .errors import SyncError
 from .reducer import Reducer
@@ -16,17 +18,10 @@ from .reducer import Reducer
 def shadow_backward(reducer: Reducer) -> None:
     """Take part in the active ranks' synced backward with zero gradients."""
     reducer.plane.exchange_header(0)
-    works: list = []
-    launcher, buckets = reducer.launcher, reducer.buckets
-    for b in buckets:
-        zeros = torch.zeros_like(b.buffer)
-        views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
-        works.append(launcher.issue(b.index, zeros, views, b.members, works[-1] if works else None,
-                                    b.index == len(buckets) - 1))
+    works = zero_buckets(reducer)
     control = empty_control(reducer.world_size, len(reducer.params), reducer.plane.device, reducer.plane.extra_slots())
-    launcher.before_control(works)
     control_work = reducer.plane.launch_control(control)
-    for b, work in zip(buckets, works):
+    for b, work in zip(reducer.buckets, works):
         reducer.wait(work, f"bucket {b.index} (shadowed by a joined rank)")
     reducer.wait(control_work, "the end-of-backward check (shadowed by a joined rank)")
     if int(control[-1]) != len(reducer.plane.active_ranks or ()):
@@ -35,10 +30,33 @@ def shadow_backward(reducer: Reducer) -> None:
             "ran a different sequence of collectives (a forward with gradients enabled must be "
             "followed by exactly one backward inside model.join())"
         )
+    w, n = reducer.world_size, len(reducer.params)
+    flags = control[2 * w + n:3 * w + n].tolist()  # ranks whose backward failed part-way (replay.py)
+    failed = [r for r, flag in enumerate(flags) if flag]
+    if 2 in flags:  # the active ranks raise too: their window held gradients synced earlier (sync_each_batch)
+        raise SyncError(f"gradsync: rank(s) {failed} failed part-way through a synced backward that joined rank "
+                        f"{reducer.rank} shadowed, and it cannot be reduced again without them")
+    if failed:  # the active ranks reduce every bucket again without the failed ones' windows
+        for b, work in zip(reducer.buckets, zero_buckets(reducer)):
+            reducer.wait(work, f"bucket {b.index} reduced again (shadowed by a joined rank)")
+    process.announce("shadowed_sync", reducer, failed)  # the accumulator's skip records follow, if any
     if reducer.auto_caps is not None and reducer.auto_caps.due:  # as the active ranks, before their commit
         reducer.auto_caps.gather()
     reducer.counters.sync += 1  # it took part in the active ranks' synced backward:
     reducer.layout.after_sync(None, shadowed=True)  # re-plans, and times "auto"'s candidates, as the others do
 
 
-__all__ = ["shadow_backward"]
+def zero_buckets(reducer: Reducer) -> list:
+    """Issue every bucket's collective with zeros, as the active ranks issue theirs."""
+    works: list = []
+    launcher, buckets = reducer.launcher, reducer.buckets
+    for b in buckets:
+        zeros = torch.zeros_like(b.buffer)
+        views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
+        works.append(launcher.issue(b.index, zeros, views, b.members, works[-1] if works else None,
+                                    b.index == len(buckets) - 1))
+    launcher.before_control(works)
+    return works
+
+
+__all__ = ["shadow_backward", "zero_buckets"]
