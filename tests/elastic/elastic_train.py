@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", help="gradsync.elastic.init_process_group's backend")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: replica r on GPU r % count")
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters and data, reduce_dtype=torch.float32")
+    parser.add_argument("--delay", action="store_true", help="delay_all_reduce_named_params: the last layer's")
     parser.add_argument("--ddp", action="append", default=[], help="a DDP option as NAME=VALUE (Python literal), "
                         "e.g. gradient_as_bucket_view=True, bucket_cap_mb='auto'")
     args = parser.parse_args()
@@ -127,7 +128,11 @@ def main() -> None:
     options = dict(bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6, check_replicas=check)
     options.update((k, ast.literal_eval(v)) for k, v in (o.split("=", 1) for o in args.ddp))
     options.update(reduce_dtype=torch.float32) if args.bf16 else None
+    if args.delay:
+        options.update(delay_all_reduce_named_params=[(n, p) for n, p in net.named_parameters() if n.startswith("5.")],
+                       param_to_hook_all_reduce=net[0].weight)
     model = gradsync.DistributedDataParallel(net, **options)
+    assert model.delayed is None or not args.delay, "an elastic member reduces the delayed parameters in its buckets"
     if args.hook == "bf16":  # state None: the default group, which follows membership
         model.register_comm_hook(None, gradsync.hooks.bf16_compress_hook)
     forward = torch.compile(model) if args.compile else model

@@ -64,7 +64,10 @@ def resolve(wrapper: type, module: nn.Module, *, refuse: tuple[type, ...], devic
                       "deprecated. Please avoid using it.", FutureWarning, stacklevel=3)
     group = resolve_group(process_group, device_mesh)
     trainable = check_wrappable(module, (*refuse, TorchDDP))
-    delayed = dict(delay_all_reduce_named_params or ())
+    # a replica of gradsync.elastic reduces them in its buckets, so they commit with the rest: the delay changes
+    # when they are averaged, not what
+    follows_replica = process.state.replica is not None and process_group is None and device_mesh is None
+    delayed = {} if follows_replica else dict(delay_all_reduce_named_params or ())
     reduced = [n for n, _ in trainable if n not in delayed]
     if not reduced:
         raise NotImplementedError("gradsync: delay_all_reduce_named_params names every trainable "
