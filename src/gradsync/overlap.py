@@ -76,7 +76,7 @@ class OverlappedStep:
         last = members[-1] == self.reducer.buckets[-1].members[-1]
         factor = self.rescale() if self.rescale is not None else 1.0
         self.rescale = self.rescale if not last else None
-        if factor is None:  # the accumulator's window ran nowhere: it does not step
+        if factor is None:  # not the window's end (sync_each_batch), or a window that ran nowhere: no step
             return
         grads = [p.grad for p in params if p.grad is not None]
         if factor != 1.0 and grads:  # num_items, or skipped micro-steps: the window's mean, before the step

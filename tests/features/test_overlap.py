@@ -43,9 +43,9 @@ def test_parameters_are_bit_identical_to_the_plain_loop(make_opt, view):
     assert all(torch.equal(overlapped[0][0][n], overlapped[1][0][n]) for n in overlapped[0][0])
 
 
-def windows(rank, world_size, overlapped):
+def windows(rank, world_size, overlapped, sync_each_batch=False):
     model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
-    acc = gradsync.GradientAccumulator(model, steps=3)
+    acc = gradsync.GradientAccumulator(model, steps=3, sync_each_batch=sync_each_batch)
     opt = acc.wrap_optimizer(torch.optim.AdamW(model.parameters(), lr=0.01))
     if overlapped:
         gradsync.overlap_optimizer(model, opt)  # the accumulator's wrapper, unwrapped
@@ -54,9 +54,13 @@ def windows(rank, world_size, overlapped):
     return {n: p.detach().clone() for n, p in model.module.named_parameters()}
 
 
-def test_accumulation_windows_step_only_at_the_window_end():
-    for ours, theirs in zip(run_ranks(windows, 2, True), run_ranks(windows, 2, False)):
-        assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+@pytest.mark.parametrize("sync_each_batch", [False, True])
+def test_accumulation_windows_step_only_at_the_window_end(sync_each_batch):
+    """With sync_each_batch every micro-step syncs, and the buckets still step only in the window's last one (they
+    stepped in every synced backward before: an optimizer step per micro-step)."""
+    ours, theirs = run_ranks(windows, 2, True, sync_each_batch), run_ranks(windows, 2, False, sync_each_batch)
+    for mine, plain in zip(ours, theirs):
+        assert all(torch.equal(mine[n], plain[n]) for n in plain)
 
 
 def item_windows(rank, world_size, overlapped, view):

@@ -29,6 +29,8 @@ class WindowClose(Windows):
         ran and number of skips in its phase header; return the reader of every active rank's, or None
         where nothing is carried. Offer overlap_optimizer the window's rescale, known once the header is in."""
         if not self._boundary:
+            if self.sync_each_batch:  # a synced micro-step inside the window: overlap_optimizer steps only at its end
+                process.announce("window_rescale", self.model, lambda: None)
             return None
         self._sent, self._rescale = (float(count), float(units)), None
         carried = self._target.carry_with_next_sync((TAG[self._kind], count, float(units), float(len(self._records)))) \
