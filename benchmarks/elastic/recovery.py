@@ -202,7 +202,7 @@ def write(out: Path, name: str, kills: list, pairs: list, load_before: tuple, lo
         f"Kill → the survivors' next optimizer step: median {statistics.median(lat):.3f} s, worst {max(lat):.3f} s "
         f"(target: under 2 s). Extra time over a normal window: median {statistics.median(extra):.3f} s, "
         f"worst {max(extra):.3f} s. Each survivor ran all {WINDOWS * STEPS} of its micro-steps once: "
-        "none lost or repeated.",
+        "none lost or repeated." if lat else "No kill jobs (`--kills 0`).",
         "",
         "## Cost of membership when nothing fails",
         "",
@@ -214,8 +214,8 @@ def write(out: Path, name: str, kills: list, pairs: list, load_before: tuple, lo
     for i, p in enumerate(pairs):
         lines.append(f"| {i} | {p['elastic_s'] * 1e3:.1f} | {p['plain_s'] * 1e3:.1f} | {p['ratio']:.3f} | "
                      f"{p['vote_s'] * 1e3:.2f} |")
-    ratios = [p["ratio"] for p in pairs]
-    votes = [p["vote_s"] for p in pairs]
+    ratios = [p["ratio"] for p in pairs] or [float("nan")]
+    votes = [p["vote_s"] for p in pairs] or [float("nan")]
     lines += ["", f"Median ratio {statistics.median(ratios):.3f} (range {min(ratios):.3f}-{max(ratios):.3f}); "
               "the spread between pairs is the noise on this shared machine. The vote (a store `add`, then "
               f"the decision) took a median {statistics.median(votes) * 1e3:.2f} ms per synced backward, "
