@@ -66,7 +66,7 @@ def micro_batches(world_size):
 def train(rank, world_size, plan, mode, buffers=False, options=None):
     opts = dict(options or {})
     wrap, sync_each_batch, overlap = opts.pop("wrap", "ddp"), opts.pop("sync_each_batch", False), opts.pop("overlap", False)
-    hook = opts.pop("hook", None)
+    hook, compiled = opts.pop("hook", None), opts.pop("compile", False)
     net = Faulty(buffers)
     if opts.pop("delay", False):  # lin3's all-reduce runs after the backward, outside the buckets
         opts["delay_all_reduce_named_params"] = [(n, p) for n, p in net.named_parameters() if n.startswith("lin3")]
@@ -85,9 +85,10 @@ def train(rank, world_size, plan, mode, buffers=False, options=None):
                                        skip_on=(OOM,), skip_nonfinite=True)
     opt = acc.wrap_optimizer(opt)
     skipped, empty = [], []
+    forward = torch.compile(model) if compiled else model
     for k, fault, x, y in planned_micro_steps(acc, plan, rank, world_size):
         n = counts(k, rank)
-        faulty_micro_step(acc, model, net, x, fault, lambda out: (F.mse_loss(out, y),) if mode == "mean"
+        faulty_micro_step(acc, forward, net, x, fault, lambda out: (F.mse_loss(out, y),) if mode == "mean"
                           else (F.mse_loss(out[:n], y[:n], reduction="sum"), n))
         opt.step()
         opt.zero_grad()
@@ -193,12 +194,13 @@ SYNCED = {key: f for key, f in MIXED.items() if f != "backward"}  # no backward 
 
 @pytest.mark.parametrize("how", ["sync_each_batch", "sharded", "reduce_dtype", "find_unused_parameters", "views",
                                  "static_graph", "overlap_optimizer", "auto", "bf16_hook",
-                                 "delay_all_reduce_named_params", "deterministic"])
+                                 "delay_all_reduce_named_params", "deterministic", "torch_compile"])
 def test_skips_combine_with_other_modes(how):
     opts = {"sync_each_batch": dict(sync_each_batch=True), "sharded": dict(wrap="sharded"),
             "static_graph": dict(static_graph=True), "overlap_optimizer": dict(overlap=True),
             "auto": dict(bucket_cap_mb="auto"), "bf16_hook": dict(hook=gradsync.bf16_compress_hook),
             "delay_all_reduce_named_params": dict(delay=True), "deterministic": dict(deterministic=True),
+            "torch_compile": dict(compile=True),
             "reduce_dtype": dict(reduce_dtype=torch.float32), "views": dict(gradient_as_bucket_view=True),
             "find_unused_parameters": dict(find_unused_parameters=True)}[how]
     plan = {key: f for key, f in (SYNCED if how == "sync_each_batch" else MIXED).items() if key[2] < 2}
@@ -217,7 +219,7 @@ SYNC_FAILS = {(0, 2, 0): "backward", (1, 2, 1): "backward", (1, 0, 0): "nan", (2
     (3, "items", {"static_graph": True}), (3, "mean", {"overlap": True}),
     (2, "items", {"overlap": True, "gradient_as_bucket_view": True}), (3, "mean", {"find_unused_parameters": True}),
     (2, "items", {"bucket_cap_mb": "auto"}), (3, "mean", {"hook": gradsync.bf16_compress_hook}),
-    (3, "items", {"delay": True}), (3, "mean", {"deterministic": True})])
+    (3, "items", {"delay": True}), (3, "mean", {"deterministic": True}), (2, "mean", {"compile": True})])
 def test_a_backward_failing_while_it_syncs_is_reduced_again_without_its_window(world_size, mode, options):
     """With gradient views or reduce_dtype the window lives in the buckets: skip_on makes each bucket reduce
     a copy (keep_window_apart), so the window survives to be reduced again."""
