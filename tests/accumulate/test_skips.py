@@ -219,7 +219,9 @@ SYNC_FAILS = {(0, 2, 0): "backward", (1, 2, 1): "backward", (1, 0, 0): "nan", (2
     (3, "items", {"static_graph": True}), (3, "mean", {"overlap": True}),
     (2, "items", {"overlap": True, "gradient_as_bucket_view": True}), (3, "mean", {"find_unused_parameters": True}),
     (2, "items", {"bucket_cap_mb": "auto"}), (3, "mean", {"hook": gradsync.bf16_compress_hook}),
-    (3, "items", {"delay": True}), (3, "mean", {"deterministic": True}), (2, "mean", {"compile": True})])
+    (3, "items", {"delay": True}), (3, "mean", {"deterministic": True}), (2, "mean", {"compile": True}),
+    (2, "mean", {"wrap": "sharded"}), (3, "items", {"wrap": "sharded"}),
+    (2, "items", {"wrap": "sharded", "reduce_dtype": torch.float32})])
 def test_a_backward_failing_while_it_syncs_is_reduced_again_without_its_window(world_size, mode, options):
     """With gradient views or reduce_dtype the window lives in the buckets: skip_on makes each bucket reduce
     a copy (keep_window_apart), so the window survives to be reduced again."""

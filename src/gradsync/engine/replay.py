@@ -12,8 +12,8 @@ launched buckets holding partial gradients: the rank sends the rest anyway and f
 end-of-backward control, and every rank then reduces its local window again, the failed rank
 with nothing (``reduce_again_without``: one more round of bucket collectives, only then). That
 needs each rank's window apart from its buckets: with gradient views or ``reduce_dtype`` the buckets
-reduce staged copies once the accumulator has ``skip_on`` (``keep_window_apart``), and ``overlap_optimizer``
-steps only after the control; with sharding every rank raises ``SyncError`` instead. With ``static_graph``, a
+reduce staged copies once the accumulator has ``skip_on`` (``keep_window_apart``), ``overlap_optimizer``
+steps only after the control, and a sharded store keeps its staging buckets until then (``refill``). With ``static_graph``, a
 synced backward this rank skipped or failed does not teach it the graph (``unlearned``). Inside
 ``model.join()`` a micro-step skipped before its forward runs the join handshake too, and the joined ranks
 shadow whatever follows (``shadow.py``).
@@ -149,14 +149,18 @@ def reduce_again_without(r: Any, flags: dict[int, int]) -> list[Any]:
     if (r.bucket_reduced is not None and not r.window_apart) or not store.keeps_local_grads:
         raise SyncError(
             f"gradsync: rank(s) {failed} failed part-way through synced backward {r.sync_count}, after "
-            "sending some of their buckets. With ShardedDataParallel a rank's window is "
-            "not kept apart from its buckets, so it cannot be reduced again without the failed rank. No gradient "
+            "sending some of their buckets. This rank's window is not kept apart from its buckets (an accumulator "
+            "with skip_on keeps it), so it cannot be reduced again without the failed rank. No gradient "
             "was written back: call optimizer.zero_grad() and run the window again (or skip only failures before "
             "the window's last backward).")
+    refill = getattr(store, "refill", None)  # a sharded store keeps the window in its staging buckets
     if r.rank in failed:
-        store.drop_local()
         r.window_used = [False] * len(r.params)
-    for b in store.buckets:
+        if refill is None:
+            store.drop_local()
+    if refill is not None:
+        refill(r.rank in failed, launcher.divides_on_copy)
+    for b in store.buckets if refill is None else ():
         for i in b.members:
             store.copy_in(i, launcher.divides_on_copy)
     for b in store.buckets:

@@ -24,17 +24,18 @@ __all__ = ["BufferPool", "exchanges", "fold", "start_all_gather", "start_reduce_
 
 
 def start_reduce_scatter(buffer: torch.Tensor, out: torch.Tensor, world_size: int, group: Any,
-                         exchange: bool) -> Any:
+                         exchange: bool, keep: bool = False) -> Any:
     """Start reducing ``buffer`` (this rank's bucket sum) into ``out``; return the work.
 
     ``exchange``: ``out`` (bucket-sized) receives every rank's copy of this rank's shard (``fold``
-    sums them); else the buffer is divided first (keeps low-precision sums in range) and ``out``
-    (shard-sized) receives the averaged shard.
+    sums them); else the buffer is divided first (keeps low-precision sums in range; into a copy with
+    ``keep``, which leaves ``buffer`` whole to be reduced again) and ``out`` (shard-sized) receives the
+    averaged shard.
     """
     if exchange:
         return dist.all_to_all_single(out, buffer, group=group, async_op=True)
-    buffer.div_(world_size)
-    return reduce_scatter(out, buffer, group=group, async_op=True)
+    divided = buffer.div(world_size) if keep else buffer.div_(world_size)
+    return reduce_scatter(out, divided, group=group, async_op=True)
 
 
 def fold(shard: torch.Tensor, out: torch.Tensor, world_size: int, exchange: bool, fresh: bool) -> None:

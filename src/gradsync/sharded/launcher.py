@@ -41,7 +41,8 @@ class ShardedLauncher:
                                  (budget is not None and store.staging_bytes + out_bytes > budget)):
             self._fold(self.inflight.popleft(), traced)  # before allocating this bucket's output
         bucket.out = store.take(out_numel, bucket.buffer.dtype, bucket.flat_param.device)
-        bucket.handle = start_reduce_scatter(bucket.buffer, bucket.out, store.world_size, self.group, self.exchange)
+        bucket.handle = start_reduce_scatter(bucket.buffer, bucket.out, store.world_size, self.group, self.exchange,
+                                             keep=store.apart)
         store.track(out_bytes)
         self.inflight.append(bucket)
         self.max_inflight_seen = max(self.max_inflight_seen, len(self.inflight))

@@ -8,7 +8,9 @@ a full bucket and ``fold`` adds its average into this rank's shard accumulator (
 Staging buffers are in use only while their bucket is being filled or reduced, and a small pool
 keeps a few for the next buckets, so gradient memory is about 1/W of the model plus a few
 buckets. Under ``no_sync`` gradients accumulate at full size in ``.grad`` and are
-reduce-scattered once, at the next synced backward.
+reduce-scattered once, at the next synced backward. An accumulator with ``skip_on`` keeps every staging
+buffer and result until the control (``keep_window_apart``): a synced backward that fails part-way on one
+rank is then reduce-scattered again without it.
 """
 from __future__ import annotations
 
@@ -42,8 +44,9 @@ class ShardedBucket(Bucket):
 class ShardedBucketStore:
     replans = False  # parameters live in bucket-shaped buffers laid out at construction
     sharded = True
-    keeps_local_grads = False  # copy_in releases .grad into the staging buckets
-    apart = False
+    # copy_in releases .grad into the staging buckets, which keep_window_apart() keeps until the control
+    keeps_local_grads = property(lambda self: self.apart)
+    apart, exchange = False, True  # exchange: the launcher's kind of reduce-scatter (comm.py), noted at each fold
     copies_per_bucket = False  # each gradient as it is ready: its .grad is released at once
     keeps_local_per_grad = True
     adopts_views = False
@@ -51,7 +54,20 @@ class ShardedBucketStore:
     gathers = None  # ShardedOptimizer(prefetch=True)'s pending parameter all-gathers (sharded_prefetch.py)
 
     def keep_window_apart(self) -> None:
-        """Not possible yet: ``copy_in`` releases the window into the staging buckets."""
+        """A synced backward that fails part-way is reduced again (``skip_on``): each bucket's staging buffer (the
+        window) and reduce-scatter result are kept until the control, the results added to the shards after it."""
+        self.apart = True
+
+    def refill(self, failed_here: bool, divide: bool) -> None:
+        """Before the window is reduced again without the failed ranks: their staging buffers hold nothing of it,
+        and the first reduction's results are dropped."""
+        for b in self.buckets:
+            if failed_here and b.buffer is not None:
+                b.buffer.zero_()
+            if b.out is not None:
+                self.track(-b.out.numel() * b.out.element_size())
+                self.pool.give(b.out)
+                b.out = None
 
     def __init__(self, params: list[torch.Tensor], names: list[str], *, rank: int, world_size: int, caps: Caps,
                  reduce_dtype: torch.dtype | None = None, pool_size: int = 6):
@@ -131,8 +147,16 @@ class ShardedBucketStore:
         self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
 
     def fold(self, bucket: ShardedBucket, exchange: bool) -> None:
-        """Add ``bucket``'s finished reduce-scatter to its shard and free the staging buffers."""
-        fold(bucket.grad_shard, bucket.out, self.world_size, exchange, bucket.shard_zero)
+        """Add ``bucket``'s finished reduce-scatter to its shard and free the staging buffers (kept apart: at
+        ``end_sync``, once the control showed that no rank failed)."""
+        self.exchange = exchange
+        if self.apart:
+            bucket.handle = None
+        else:
+            self.add_to_shard(bucket)
+
+    def add_to_shard(self, bucket: ShardedBucket) -> None:
+        fold(bucket.grad_shard, bucket.out, self.world_size, self.exchange, bucket.shard_zero)
         bucket.shard_zero = False
         self.track(-self.staged_nbytes(bucket))
         self.pool.give(bucket.buffer, bucket.out)
@@ -205,6 +229,8 @@ class ShardedBucketStore:
 
     def end_sync(self, results: list[Any] | None, counts: list[int], done: Any = None) -> None:  # done: no overlap here
         for bucket, result in zip(self.buckets, results or ()):
+            if self.apart and bucket.out is not None:
+                self.add_to_shard(bucket)
             self.write_back(bucket, result, counts)
         self.partial = self._partial_before  # only zero_grad() clears an earlier failure
 
