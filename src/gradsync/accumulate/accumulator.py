@@ -67,8 +67,8 @@ class GradientAccumulator(WindowClose):
         self._started = False  # this micro-step's backward began
         self._pending_carry: Any = None  # the reader of what this micro-step's backward carries
         self._mark: Any = None
-        # the window's rescale: (items, units) sent, its rows and factor once known, whether overlap_optimizer applied it
-        self._sent, self._rows_seen, self._rescale, self._prescaled = (0.0, 0.0), {}, None, False
+        # the window's rescale: (items, units) sent, (factor, rows) once known, whether overlap_optimizer applied it
+        self._sent, self._rescale, self._prescaled = (0.0, 0.0), None, False
         process.announce("accumulator", self)  # features that follow windows attach here (gradsync.elastic)
 
     def window_position(self) -> tuple[int, int, int] | None:

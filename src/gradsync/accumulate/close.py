@@ -46,7 +46,7 @@ class WindowClose(Windows):
     def _window_factor(self, carried: Any, work: Any = None) -> float | None:
         """The factor that makes the window's gradient the mean over what ran on every rank (items, or loss
         units: micro-steps or rows); None: nothing ran. Computed once per window."""
-        if self._rescale is not None:
+        if self._rescale is not None:  # (factor, the rows it came from)
             return self._rescale[0]
         rows = carried() if carried is not None else None
         if carried is not None and rows is None:
@@ -59,17 +59,17 @@ class WindowClose(Windows):
                 self._wait(work[0])
                 total = float(work[1])
             rows = {0: (TAG[self._kind], total or 0.0, self._world_size * self._sent[1], float(len(self._records)))}
-        self._rows_seen = rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
+        rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
         check_kinds(rows, self.windows)
         expected = self._scale_len if self._weights is None else sum(self._rows)
-        self._rescale = (window_factor(rows, self._world_size, expected, any(row[3] for row in rows.values())),)
+        self._rescale = (window_factor(rows, self._world_size, expected, any(row[3] for row in rows.values())), rows)
         return self._rescale[0]
 
     def _close(self, carried: Any, work: Any = None) -> None:
         """The window's synced backward is done: rescale (unless overlap_optimizer did, bucket by bucket), note
         the skips."""
-        factor, prescaled, self._prescaled = self._window_factor(carried, work), self._prescaled, False
-        rows, self._rescale = self._rows_seen, None
+        self._window_factor(carried, work)
+        (factor, rows), prescaled, self._rescale, self._prescaled = self._rescale, self._prescaled, None, False
         self.skipped = self._gather_skips(rows)
         if factor is None:
             self.window_empty = True

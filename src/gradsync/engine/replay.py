@@ -55,8 +55,8 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
     synced gradients (``sync_each_batch``), so that would not be exact and every rank raises)."""
     r = ddp.reducer
     c = r.counters
+    delayed = getattr(ddp, "delayed", None)  # delay_all_reduce_named_params: replayed and dropped with the buckets
     if r.it.in_backward:  # the backward began: some gradients of this micro-step may be in .grad
-        delayed = getattr(ddp, "delayed", None)  # delay_all_reduce_named_params: its window goes too
         if r.it.syncing:
             with unlearned(r):
                 r.finish_grad_sync(failed=1 if again else 2)  # every rank reduces again without this window, or raises
@@ -83,8 +83,8 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
     if sync:
         with unlearned(r):
             sync_without_backward(r)
-        if getattr(ddp, "delayed", None) is not None:  # as the others' backward ends: the delayed all-reduce
-            ddp.delayed.reduce_now(ddp)
+        if delayed is not None:  # as the others' backward ends: the delayed all-reduce
+            delayed.reduce_now(ddp)
     return "replayed"
 
 
@@ -153,16 +153,16 @@ def reduce_again_without(r: Any, flags: dict[int, int]) -> list[Any]:
             "with skip_on keeps it), so it cannot be reduced again without the failed rank. No gradient "
             "was written back: call optimizer.zero_grad() and run the window again (or skip only failures before "
             "the window's last backward).")
-    refill = getattr(store, "refill", None)  # a sharded store keeps the window in its staging buckets
     if r.rank in failed:
         r.window_used = [False] * len(r.params)
-        if refill is None:
+    if getattr(store, "refill", None) is not None:  # a sharded store keeps the window in its staging buckets
+        store.refill(r.rank in failed)
+    else:
+        if r.rank in failed:
             store.drop_local()
-    if refill is not None:
-        refill(r.rank in failed, launcher.divides_on_copy)
-    for b in store.buckets if refill is None else ():
-        for i in b.members:
-            store.copy_in(i, launcher.divides_on_copy)
+        for b in store.buckets:
+            for i in b.members:
+                store.copy_in(i, launcher.divides_on_copy)
     for b in store.buckets:
         launcher.launch(b, store.buckets, False)
     launcher.before_control([b.handle for b in store.buckets])

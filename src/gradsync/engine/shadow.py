@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import process
-from .control import empty_control
+from .control import Verdict, empty_control
 from .errors import SyncError
 from .reducer import Reducer
 
@@ -30,10 +30,11 @@ def shadow_backward(reducer: Reducer) -> None:
             "ran a different sequence of collectives (a forward with gradients enabled must be "
             "followed by exactly one backward inside model.join())"
         )
-    w, n = reducer.world_size, len(reducer.params)
-    flags = control[2 * w + n:3 * w + n].tolist()  # ranks whose backward failed part-way (replay.py)
-    failed = [r for r, flag in enumerate(flags) if flag]
-    if 2 in flags:  # the active ranks raise too: their window held gradients synced earlier (sync_each_batch)
+    plane = reducer.plane  # the control as the active ranks read it: which backward failed part-way (replay.py)
+    flags = Verdict(control.cpu(), reducer.rank, reducer.world_size, len(reducer.params), plane.active(),
+                    reducer.counters.sync, plane.extra_slots()).failed
+    failed = sorted(flags)
+    if 2 in flags.values():  # the active ranks raise too: their window held gradients synced earlier (sync_each_batch)
         raise SyncError(f"gradsync: rank(s) {failed} failed part-way through a synced backward that joined rank "
                         f"{reducer.rank} shadowed, and it cannot be reduced again without them")
     if failed:  # the active ranks reduce every bucket again without the failed ones' windows

@@ -13,7 +13,7 @@ from collections import deque
 import torch.distributed as dist
 
 from ..engine.control import ControlPlane
-from .comm import exchanges, start_reduce_scatter
+from .comm import start_reduce_scatter
 from .store import ShardedBucket, ShardedBucketStore
 
 
@@ -26,7 +26,7 @@ class ShardedLauncher:
         self.group, self.plane, self.store = group, plane, store
         self.max_inflight = max_inflight
         self.staging_budget_bytes = staging_budget_bytes
-        self.exchange = exchanges(store.buckets[0].flat_param.device)  # see sharded_comm.py
+        self.exchange = store.exchange  # how a bucket is reduce-scattered here (comm.py)
         self.inflight: deque[ShardedBucket] = deque()
         self.max_inflight_seen = 0
 
@@ -51,7 +51,7 @@ class ShardedLauncher:
         self.plane.wait(bucket.handle, f"bucket {bucket.index}")
         if traced:  # gloo's reduce-scatter has no future: time the wait's end
             bucket.times["done"] = time.perf_counter()
-        self.store.fold(bucket, self.exchange)
+        self.store.fold(bucket)
 
     def before_control(self, handles: list) -> None:
         """A reduce-scatter is one collective: the control may follow at once."""

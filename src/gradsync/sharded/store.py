@@ -24,7 +24,7 @@ from ..engine.checks import check_grad
 from ..engine.layout import plan_buckets
 from ..engine.main_grad import MainGrads
 from ..engine.store import Bucket, BucketStore
-from .comm import BufferPool, fold
+from .comm import BufferPool, exchanges, fold
 
 
 @dataclass
@@ -46,7 +46,7 @@ class ShardedBucketStore:
     sharded = True
     # copy_in releases .grad into the staging buckets, which keep_window_apart() keeps until the control
     keeps_local_grads = property(lambda self: self.apart)
-    apart, exchange = False, True  # exchange: the launcher's kind of reduce-scatter (comm.py), noted at each fold
+    apart = False
     copies_per_bucket = False  # each gradient as it is ready: its .grad is released at once
     keeps_local_per_grad = True
     adopts_views = False
@@ -58,7 +58,7 @@ class ShardedBucketStore:
         window) and reduce-scatter result are kept until the control, the results added to the shards after it."""
         self.apart = True
 
-    def refill(self, failed_here: bool, divide: bool) -> None:
+    def refill(self, failed_here: bool) -> None:
         """Before the window is reduced again without the failed ranks: their staging buffers hold nothing of it,
         and the first reduction's results are dropped."""
         for b in self.buckets:
@@ -82,6 +82,8 @@ class ShardedBucketStore:
         self._partial_before = False
         self.staging_bytes = self.peak_staging_bytes = 0
         self._lay_out(plan_buckets(params, *caps))
+        # how a bucket is reduce-scattered on this device (comm.py): the launcher starts it, the fold adds it up
+        self.exchange = exchanges(self.buckets[0].flat_param.device)
         self.main = None
         if reduce_dtype is not None:
             self.main = MainGrads(params, names, self.slot, world_size=world_size, grad_is_slot=False)
@@ -146,10 +148,9 @@ class ShardedBucketStore:
         self.staging_bytes += delta
         self.peak_staging_bytes = max(self.peak_staging_bytes, self.staging_bytes)
 
-    def fold(self, bucket: ShardedBucket, exchange: bool) -> None:
+    def fold(self, bucket: ShardedBucket) -> None:
         """Add ``bucket``'s finished reduce-scatter to its shard and free the staging buffers (kept apart: at
         ``end_sync``, once the control showed that no rank failed)."""
-        self.exchange = exchange
         if self.apart:
             bucket.handle = None
         else:
