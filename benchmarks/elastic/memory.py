@@ -1,4 +1,4 @@
-"""What elastic membership costs in memory per rank, for each option that keeps the window in the buckets.
+"""What elastic membership costs in memory per rank: each option that keeps the window in the buckets, and sharding.
 
     python benchmarks/elastic/memory.py            # writes results/elastic-memory-<N>cpu-<date>.md
     python benchmarks/elastic/memory.py --quick    # a small model, prints the table, writes nothing
@@ -8,7 +8,8 @@ Each row is one job, ``gradsync run --replicas 3`` of this file (``--worker``): 
 same model is built on the elastic group (it follows membership) or with ``process_group=`` (it does
 not). With gradient views or ``reduce_dtype`` an elastic model reduces a staged copy of each bucket,
 so that a reduction that fails part-way leaves the window whole (``BucketStore.keep_window_apart``):
-that copy is the price. Per replica we report the peak RSS above its RSS before the model was built
+that copy is the price. ``ShardedDataParallel`` + ``ShardedOptimizer(AdamW)`` keeps each shard on two members
+(``sharded/regroup.py``): the mirrored gradient shard, AdamW state and master copy are the price there. Per replica we report the peak RSS above its RSS before the model was built
 (glibc returns every allocation of 1 MiB or more to the OS, so RSS follows live tensors) and the
 bytes of gradient memory the model holds (buckets, staged copies, ``.grad`` apart from them).
 """
@@ -32,7 +33,23 @@ CONFIGS = {  # name -> (dtype, DDP options, elastic)
     "fp32, gradient_as_bucket_view, elastic": ("float32", {"gradient_as_bucket_view": True}, True),
     "bf16, reduce_dtype=float32": ("bfloat16", {"reduce_dtype": "float32"}, False),
     "bf16, reduce_dtype=float32, elastic": ("bfloat16", {"reduce_dtype": "float32"}, True),
+    "fp32, sharded, AdamW": ("float32", {"sharded": True}, False),
+    "fp32, sharded, AdamW, elastic": ("float32", {"sharded": True}, True),
 }
+
+
+def nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None and hasattr(t, "element_size"))
+
+
+def sharded_record(model, inner) -> dict:
+    """Sharded: the staging peak, this rank's gradient shards, and what mirroring adds (a shard, its state, its copy)."""
+    store, mirror = model.reducer.store, inner.mirror
+    state = lambda opt: nbytes(v for st in opt.state.values() for v in st.values())  # noqa: E731
+    return {"buckets_mib": store.peak_staging_bytes / MiB, "grad_mib": nbytes(b.grad_shard for b in store.buckets) / MiB,
+            "state_mib": (state(inner.optimizer) + (state(mirror.optimizer) if mirror else 0)) / MiB,
+            "staged_mib": 0 if mirror is None else (nbytes(b.mirror_shard for b in store.buckets) + state(mirror.optimizer)
+                                                    + nbytes(mirror.masters)) / MiB}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -51,9 +68,13 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[m for _ in range(args.depth) for m in (torch.nn.Linear(args.width, args.width),
                                                                         torch.nn.Tanh())]).to(getattr(torch, dtype))
-    model = gradsync.DistributedDataParallel(net, **options, **({} if elastic else {"process_group": dist.group.WORLD}))
+    sharded = options.pop("sharded", False)
+    wrapper = gradsync.ShardedDataParallel if sharded else gradsync.DistributedDataParallel
+    model = wrapper(net, **options, **({} if elastic else {"process_group": dist.group.WORLD}))
     acc = gradsync.GradientAccumulator(model, steps=2)
-    optimizer = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4))
+    inner = gradsync.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-4) if sharded else \
+        torch.optim.SGD(model.parameters(), lr=1e-4)
+    optimizer = acc.wrap_optimizer(inner)
     for _ in range(3 * 2):
         with acc.accumulate():
             x = torch.randn(8, args.width, dtype=net[0].weight.dtype)
@@ -61,14 +82,15 @@ def worker(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)  # .grad stays allocated: the steady state of a long run
     store = model.reducer.store
-    in_buckets = {b.buffer.untyped_storage().data_ptr() for b in store.buckets}
-    grads = sum(t.numel() * t.element_size() for t in store.grad_tensors()
-                if t.untyped_storage().data_ptr() not in in_buckets)
     record = {"config": args.config, "elastic": bool(model.reducer.attached), "params": sum(p.numel() for p in net.parameters()),
-              "peak_mib": (status_kib("VmHWM") - base) / 1024,
-              "buckets_mib": sum(b.buffer.numel() * b.buffer.element_size() for b in store.buckets) / MiB,
-              "staged_mib": sum(b.wire.numel() * b.wire.element_size() for b in store.buckets if b.wire is not None) / MiB,
-              "grad_mib": grads / MiB}
+              "peak_mib": (status_kib("VmHWM") - base) / 1024, "state_mib": 0.0}
+    if sharded:
+        record.update(sharded_record(model, inner))
+    else:
+        in_buckets = {b.buffer.untyped_storage().data_ptr() for b in store.buckets}
+        record.update(buckets_mib=nbytes(b.buffer for b in store.buckets) / MiB,
+                      staged_mib=nbytes(b.wire for b in store.buckets) / MiB,
+                      grad_mib=nbytes(t for t in store.grad_tensors() if t.untyped_storage().data_ptr() not in in_buckets) / MiB)
     Path(args.out, f"{os.environ['GRADSYNC_REPLICA_ID']}.json").write_text(json.dumps(record))
 
 
@@ -85,12 +107,14 @@ def job(config: str, width: int, depth: int) -> list[dict]:
 
 def table(rows: list[list[dict]]) -> str:
     lines = ["| configuration | follows membership | peak RSS above the model's start, MiB (3 replicas) | "
-             "buckets MiB | staged copies MiB | .grad apart MiB |", "|---|---|---|---|---|---|"]
+             "buckets (sharded: staging peak) MiB | kept for membership (staged copies; sharded: the mirrored shard, "
+             "its state and copy) MiB | .grad apart (sharded: gradient shards) MiB | optimizer state MiB |",
+             "|---|---|---|---|---|---|---|"]
     for replicas in rows:
         r = replicas[0]
         peaks = ", ".join(f"{x['peak_mib']:.0f}" for x in replicas)
         lines.append(f"| {r['config']} | {'yes' if r['elastic'] else 'no'} | {peaks} | {r['buckets_mib']:.1f} | "
-                     f"{r['staged_mib']:.1f} | {r['grad_mib']:.1f} |")
+                     f"{r['staged_mib']:.1f} | {r['grad_mib']:.1f} | {r['state_mib']:.1f} |")
     return "\n".join(lines)
 
 
@@ -118,13 +142,16 @@ def main(argv: list[str] | None = None) -> None:
     params = rows[0][0]["params"]
     Path(args.out, f"{stem}.md").write_text(
         f"# Elastic membership: memory per rank\n\n`python benchmarks/elastic/memory.py`, {info.get('cpu', '')}: "
-        f"{params / 1e6:.1f}M parameters, 3 replicas (`gradsync run`), windows of 2 micro-steps, plain SGD, "
+        f"{params / 1e6:.1f}M parameters, 3 replicas (`gradsync run`), windows of 2 micro-steps, plain SGD (sharded rows: "
+        "`ShardedOptimizer(model, torch.optim.AdamW)`), "
         "`zero_grad(set_to_none=False)`. Peak RSS per replica above its RSS before the model was built (the model's "
         "parameters are in it); the other columns are the gradient memory the model holds, counted from its "
         "tensors.\n\n" + text + "\n\nThe staged copies are what an elastic model with gradient views or "
         "`reduce_dtype` adds: one copy of the gradients in the reduction dtype, so that a reduction that fails "
         "part-way leaves each member's window whole. Without those options `.grad` already lives apart from the "
-        "buckets and elastic membership adds nothing.\n")
+        "buckets and elastic membership adds nothing. A sharded elastic model keeps each shard on two members: "
+        "the mirrored gradient shard, its AdamW state and its master copy (1/W of the model each), and the "
+        "optimizer steps both shards.\n")
     print(f"wrote {Path(args.out, stem + '.md')}")
 
 

@@ -44,6 +44,10 @@ def make_optimizer(params) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=0.25, momentum=0.5)
 
 
+ADAMW = dict(lr=0.01, weight_decay=0.1)  # --sharded: ShardedOptimizer(model, torch.optim.AdamW, **ADAMW)
+CLIP = 0.3  # --clip: the window's gradient clipped to this global norm before each step
+
+
 KILL_LAUNCHER = False  # --kill-launcher: the victim takes its launcher with it, as a machine that dies
 
 
@@ -107,6 +111,9 @@ def main() -> None:
     parser.add_argument("--backend", default="gloo", help="gradsync.elastic.init_process_group's backend")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: replica r on GPU r % count")
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters and data, reduce_dtype=torch.float32")
+    parser.add_argument("--sharded", action="store_true", help="ShardedDataParallel + ShardedOptimizer(AdamW)")
+    parser.add_argument("--clip", action="store_true", help="clip_grad_norm_(model.parameters(), CLIP) before each step "
+                        "(after the optimizer_step point: a kill there is found in its all-reduce)")
     parser.add_argument("--delay", action="store_true", help="delay_all_reduce_named_params: the last layer's")
     parser.add_argument("--ddp", action="append", default=[], help="a DDP option as NAME=VALUE (Python literal), "
                         "e.g. gradient_as_bucket_view=True, bucket_cap_mb='auto'")
@@ -131,14 +138,15 @@ def main() -> None:
     if args.delay:
         options.update(delay_all_reduce_named_params=[(n, p) for n, p in net.named_parameters() if n.startswith("5.")],
                        param_to_hook_all_reduce=net[0].weight)
-    model = gradsync.DistributedDataParallel(net, **options)
+    model = (gradsync.ShardedDataParallel if args.sharded else gradsync.DistributedDataParallel)(net, **options)
     assert model.delayed is None or not args.delay, "an elastic member reduces the delayed parameters in its buckets"
     if args.hook == "bf16":  # state None: the default group, which follows membership
         model.register_comm_hook(None, gradsync.hooks.bf16_compress_hook)
     forward = torch.compile(model) if args.compile else model
     steps = 1 if args.plain else args.steps
     acc = None if args.plain else gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=args.sync_each_batch)
-    optimizer = make_optimizer(model.parameters())
+    optimizer = gradsync.ShardedOptimizer(model, torch.optim.AdamW, **ADAMW) if args.sharded else \
+        make_optimizer(model.parameters())
     if args.overlap:
         gradsync.overlap_optimizer(model, optimizer)
     if not args.plain:
@@ -229,6 +237,8 @@ def main() -> None:
             acc.backward(loss, num_items=x.shape[0] if args.items else None)
         if (args.plain or acc.is_boundary) and at("optimizer_step"):
             die()
+        if args.clip and (args.plain or acc.is_boundary):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]

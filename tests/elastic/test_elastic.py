@@ -14,7 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from elastic_train import build_model, dataset, make_optimizer, micro_batch  # noqa: E402
+from elastic_train import ADAMW, CLIP, build_model, dataset, make_optimizer, micro_batch  # noqa: E402
 
 from forked_cli import ForkedCLI, run_cli  # noqa: E402
 from gradsync.elastic import ElasticSampler  # noqa: E402
@@ -37,12 +37,12 @@ def launch(tmp_path: Path, *script_args: str, replicas: int = 3, min_replicas: i
 
 def reference(events: list[dict], replicas: int, *, items: bool = False, steps: int = STEPS,
               buffers: bool = False, windows: int = WINDOWS, initial: int | None = None,
-              bf16: bool = False, width: int = 16) -> list[torch.Tensor]:
+              bf16: bool = False, width: int = 16, adamw: bool = False, clip: bool = False) -> list[torch.Tensor]:
     """One process trained on what was kept: replica r's micro-steps up to the window it left in."""
     net = build_model(buffers, width)
     if bf16:
         return bf16_reference(events, replicas, net.bfloat16(), steps)
-    optimizer = make_optimizer(net.parameters())
+    optimizer = torch.optim.AdamW(net.parameters(), **ADAMW) if adamw else make_optimizer(net.parameters())
     for w in range(windows):
         members = set(range(replicas if initial is None else initial))  # from the window it joined to the one it left in
         for e in events:
@@ -57,6 +57,8 @@ def reference(events: list[dict], replicas: int, *, items: bool = False, steps: 
             loss = sum(torch.nn.functional.mse_loss(net(x), y) for x, y in batches) / len(batches)
         optimizer.zero_grad()
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), CLIP)
         optimizer.step()
     return [p.detach() for p in net.parameters()]
 
@@ -97,15 +99,16 @@ def agreeing(results: dict[int, dict], expected: list[int], log: str = "") -> di
         assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
         mine, theirs = results[r]["optimizer"], first["optimizer"]  # momentum buffers too, after a join
         assert mine["param_groups"] == theirs["param_groups"] and mine["state"].keys() == theirs["state"].keys()
-        assert all(torch.equal(mine["state"][k]["momentum_buffer"], theirs["state"][k]["momentum_buffer"])
-                   for k in mine["state"]), r
+        assert all(torch.equal(v, theirs["state"][k][name]) for k in mine["state"]  # momentum, or AdamW's moments
+                   for name, v in mine["state"][k].items()), r
         assert (results[r]["events"], results[r]["members"], results[r]["lost"]) == \
             (first["events"], expected, first["lost"])
     return first
 
 
 def check_run(tmp_path: Path, proc: subprocess.CompletedProcess, *, victim: int | None, window: int,
-              items: bool = False, steps: int = STEPS, buffers: bool = False, bf16: bool = False) -> dict[int, dict]:
+              items: bool = False, steps: int = STEPS, buffers: bool = False, bf16: bool = False,
+              lost: int | None = None, adamw: bool = False, clip: bool = False) -> dict[int, dict]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = survivors(tmp_path)
     first = agreeing(results, sorted({0, 1, 2} - {victim}), proc.stderr)
@@ -114,9 +117,9 @@ def check_run(tmp_path: Path, proc: subprocess.CompletedProcess, *, victim: int 
         assert events == []
     else:
         assert [(e["generation"], e["window"], e["left"], e["joined"], e["micro_steps_lost"]) for e in events] \
-            == [(1, window, [victim], [], steps)]
+            == [(1, window, [victim], [], steps if lost is None else lost)]
         assert events[0]["seconds"] < 30
-    want = reference(events, 3, items=items, steps=steps, buffers=buffers, bf16=bf16)
+    want = reference(events, 3, items=items, steps=steps, buffers=buffers, bf16=bf16, adamw=adamw, clip=clip)
     for got, ref in zip(first["params"], want):  # bf16: a float32 sum of 3 ranks may round apart by one ulp
         torch.testing.assert_close(got, ref, atol=1e-3 if bf16 else 1e-5, rtol=2 ** -7 if bf16 else 0)
     return results
@@ -146,6 +149,31 @@ def test_drills_with_the_options_a_large_model_runs(tmp_path, option, point, vic
     bf16 parameters with reduce_dtype=torch.float32 (it lives in the float32 slots): each bucket reduces a copy."""
     proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, *OPTIONS[option])
     check_run(tmp_path, proc, victim=victim, window=window, bf16=option == "bf16")
+
+
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("point,victim,window,lost", [("during_reductions", 2, 1, STEPS), ("optimizer_step", 1, 2, 0)])
+def test_sharded_adamw_drills_lose_no_shard(tmp_path, point, victim, window, lost, clip):
+    """ShardedDataParallel + ShardedOptimizer(AdamW): each shard, gradient and AdamW state, lives on two members
+    (sharded/regroup.py). A replica killed with a bucket in flight costs its window; one killed just before the
+    step costs nothing (the survivors find it gone in the step's all-gathers, after the commit, and re-shard
+    there; with ``clip``, in clip_grad_norm_'s all-reduce, which takes the norm again in the new group). The
+    survivors equal one process with plain AdamW on what was kept."""
+    proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, "--sharded",
+                  *(["--clip"] if clip else []))
+    check_run(tmp_path, proc, victim=victim, window=window, lost=lost, adamw=True, clip=clip)
+
+
+def test_a_sharded_replica_that_rejoins_receives_its_shards(tmp_path):
+    """The restarted replica joins at a boundary: the members and it re-shard over the new group (it contributes
+    nothing, and takes its shard and the one it mirrors, AdamW state included, from the members)."""
+    proc = launch(tmp_path, "--victim", "0", "--window", "1", "--point", "during_reductions", "--sleep", "0.1",
+                  "--until-full", "3", "--sharded", max_restarts=1, windows=40)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first = agreeing(survivors(tmp_path), [0, 1, 2], proc.stderr)
+    assert [(e["left"], e["joined"]) for e in first["events"]] == [([0], []), ([], [0])]
+    for got, ref in zip(first["params"], reference(first["events"], 3, windows=first["windows"], adamw=True)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
 def each_batch_reference(events: list[dict]) -> list[torch.Tensor]:
@@ -184,16 +212,18 @@ def test_sync_each_batch_keeps_the_micro_steps_a_dead_replica_synced(tmp_path, p
 AUTO = ["--width", "512", "--ddp", "bucket_cap_mb='auto'"]  # two layouts: chosen at synced backward 9's commit
 
 
-@pytest.mark.parametrize("point,window", [("during_reductions", 4), ("auto_gather", 9)])
-def test_bucket_cap_auto_chooses_the_same_on_the_survivors(tmp_path, point, window):
-    """A replica dies while "auto" times its candidates, or inside the collective that gathers the timings:
-    the survivors gather among themselves, choose the same cap and lay out the same buckets."""
+@pytest.mark.parametrize("point,window,left_in", [("during_reductions", 4, 4), ("auto_gather", 9, 9),
+                                                  ("optimizer_step", 4, 5)])
+def test_bucket_cap_auto_chooses_the_same_on_the_survivors(tmp_path, point, window, left_in):
+    """A replica dies while "auto" times its candidates (with a bucket in flight, or just before the step: the
+    survivors find out in the next window), or inside the collective that gathers the timings: the survivors
+    gather among themselves, choose the same cap and lay out the same buckets."""
     windows = 12
     proc = launch(tmp_path, "--victim", "2", "--window", str(window), "--point", point, *AUTO, windows=windows)
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = survivors(tmp_path)
     first = agreeing(results, [0, 1], proc.stderr)
-    assert [(e["window"], e["left"]) for e in first["events"]] == [(window, [2])]
+    assert [(e["window"], e["left"]) for e in first["events"]] == [(left_in, [2])]
     choice = first["bucket_choice"]
     assert choice is not None and choice["rule"] != "single layout" and len(choice["measured_ms"]) == 2
     assert all(r["bucket_choice"] == choice and r["buckets"] == first["buckets"] for r in results.values())
@@ -301,8 +331,9 @@ net = torch.nn.Linear(4, 4)
 model = gradsync.DistributedDataParallel(net, delay_all_reduce_named_params=[("bias", net.bias)],
                                          param_to_hook_all_reduce=net.weight)
 print("delayed in the buckets:", model.delayed is None and len(model.reducer.params) == 2)
+print("sharded followed:", gradsync.ShardedDataParallel(torch.nn.Linear(4, 4)).reducer.store.mirror)
 try:
-    gradsync.ShardedDataParallel(torch.nn.Linear(4, 4))
+    gradsync.ShardedDataParallel(torch.nn.Linear(4, 4).bfloat16(), reduce_dtype=torch.float32)
 except ValueError as exc:
     print("refused:", exc)
 print("members", gradsync.elastic.members(), "events", gradsync.elastic.events())
@@ -310,15 +341,16 @@ print("members", gradsync.elastic.members(), "events", gradsync.elastic.events()
 
 
 def test_what_elastic_membership_cannot_recover_is_refused(tmp_path):
-    """ShardedDataParallel is refused; delay_all_reduce_named_params's parameters go into the buckets, where they
-    commit with the rest."""
+    """ShardedDataParallel with reduce_dtype is refused (one replica: nothing to mirror yet); delay_all_reduce_named_params's
+    parameters go into the buckets, where they commit with the rest."""
     script = tmp_path / "refusals.py"
     script.write_text(REFUSALS)
     proc = run_cli(["run", str(script)], timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "delayed in the buckets: True" in proc.stdout, proc.stdout
     refused = [line for line in proc.stdout.splitlines() if line.startswith("refused:")]
-    assert len(refused) == 1 and "ShardedDataParallel" in refused[0] and "elastic" in refused[0], proc.stdout
+    assert "sharded followed: True" in proc.stdout, proc.stdout
+    assert len(refused) == 1 and "ShardedDataParallel with reduce_dtype" in refused[0] and "elastic" in refused[0], proc.stdout
     assert "members [0] events []" in proc.stdout
 
 
@@ -560,12 +592,12 @@ def test_check_replicas_without_evict_stops_every_replica(tmp_path):
     assert survivors(tmp_path) == {}
 
 
-@pytest.mark.slow  # 12 launches of 3 replicas
-@pytest.mark.parametrize("option", sorted(OPTIONS) + ["overlap"])
+@pytest.mark.slow  # 14 launches of 3 replicas
+@pytest.mark.parametrize("option", sorted(OPTIONS) + ["overlap", "sharded"])
 @pytest.mark.parametrize("point", ["forward", "local_backward"])
 def test_kills_outside_the_reduction_with_every_option(tmp_path, option, point):
     """A replica SIGKILLed in the forward or the no_sync backward of its window's first micro-step, with each option
     of the matrix: the survivors close that window over their own micro-steps, as with the defaults."""
-    extra = ["--overlap"] if option == "overlap" else OPTIONS[option]
+    extra = ["--overlap"] if option == "overlap" else ["--sharded"] if option == "sharded" else OPTIONS[option]
     proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", point, "--kill-step", "0", *extra)
-    check_run(tmp_path, proc, victim=2, window=1, bf16=option == "bf16")
+    check_run(tmp_path, proc, victim=2, window=1, bf16=option == "bf16", adamw=option == "sharded")

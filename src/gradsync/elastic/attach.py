@@ -68,7 +68,7 @@ def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60
 def refusals(config: Any, *, delayed: bool) -> list[str]:
     """What elastic membership cannot recover exactly with this configuration."""
     found = [
-        ("ShardedDataParallel", config.sharded),
+        ("ShardedDataParallel with reduce_dtype", config.sharded and config.reduce_dtype is not None),
         ("delay_all_reduce_named_params", delayed),
     ]
     return [name for name, present in found if present]
@@ -96,6 +96,8 @@ def on_wrapper(ddp: Any, default_group: bool) -> None:
             f"gradsync: elastic membership cannot recover a model built with {', '.join(problems)}: a "
             "member's window must stay apart from the buckets a failed reduction touched. Build the model "
             "without it, or pass process_group= explicitly to opt out of elastic membership.")
+    if ddp.reducer.store.sharded:  # a member that leaves must not take its shard with it (sharded/regroup.py)
+        ddp.reducer.store.mirror_shards()
     wrapper = weakref.ref(ddp)
 
     def follow_group(group: Any) -> None:

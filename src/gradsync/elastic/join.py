@@ -111,7 +111,7 @@ def join(m: Any, acc: Any, reducer: Any) -> None:
     m.joining = False
     try:
         m.enter(int(g), json.loads(ids))
-        reducer.attached.regroup(dist.group.WORLD)
+        reducer.attached.regroup(dist.group.WORLD, joining=True)  # a sharded model receives its shards here
         sent = transfer(m, acc, reducer, int(source))
     except (RuntimeError, dist.DistError) as exc:
         raise MembershipError(f"gradsync: replica {m.replica_id} could not join generation {g}: {exc}") from exc
@@ -151,7 +151,9 @@ def admissible(m: Any, model: Any, r: int, s: int) -> bool:
 
 
 def state_of(m: Any, acc: Any, reducer: Any) -> dict[str, Any]:
-    return {"accumulator": acc.state_dict(), "optimizers": [o.state_dict() for o in acc.wrapped_optimizers],
+    # a ShardedOptimizer's state moved with the shards as the group re-formed (sharded/regroup.py)
+    return {"accumulator": acc.state_dict(), "optimizers": [None if getattr(o, "sharded", False) else o.state_dict()
+                                                            for o in acc.wrapped_optimizers],
             "schedulers": [s.state_dict() for s in acc.wrapped_schedulers],
             "registered": {name: obj.state_dict() for name, obj in m.registered.items()},
             "counters": reducer.attached.progress(), "layout": reducer.attached.layout_state(),
@@ -165,7 +167,8 @@ def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
             raise MembershipError(f"gradsync: this replica wrapped {len(mine)} optimizers/schedulers where the "
                                   f"members wrapped {len(theirs)}; every replica runs the same script")
         for obj, sd in zip(mine, theirs):
-            obj.load_state_dict(sd)
+            if sd is not None:
+                obj.load_state_dict(sd)
     for name, sd in state["registered"].items():
         if name not in m.registered:
             raise MembershipError(f"gradsync: the members registered {name!r} (gradsync.elastic.register) but this "

@@ -200,11 +200,13 @@ class StoreMembership:
             if self._gone() or time.monotonic() >= deadline:
                 return self.store.compare_set(decision, "", "abort") == b"commit"
 
-    def reform(self, failure: BaseException, sync: int) -> dist.ProcessGroup:
+    def reform(self, failure: BaseException, sync: int, committed: bool = False) -> dist.ProcessGroup:
         source = self.window_source() if self.window_source is not None else None
         window = source() if source is not None else None  # (windows started, micro-steps planned, synced)
+        if committed and window:  # the window's synced backward committed: the replicas left before the next
+            window = (window[0] + 1, 0, 0)
         start = self._failed_at or time.monotonic()
-        if self.store.compare_set(self.key(f"decision/{sync}"), "", "abort") == b"commit":
+        if not committed and self.store.compare_set(self.key(f"decision/{sync}"), "", "abort") == b"commit":
             raise SyncError(f"gradsync: synced backward {sync} committed on every member, yet this member "
                             "did not finish it; this is a bug in gradsync") from failure
         if self.backend == "nccl":  # a CPU wait was sliced; a kernel on the stream waits until aborted
@@ -228,7 +230,7 @@ class StoreMembership:
             except (RuntimeError, dist.DistError) as exc:  # connecting the new group failed
                 failure, g = exc, g + 1
         left = [m for m in before if m not in self.members]
-        lost = len(left) * (window[1] - window[2] if window else 1)
+        lost = 0 if committed else len(left) * (window[1] - window[2] if window else 1)
         event = MembershipEvent(generation=g, window=window[0] - 1 if window else sync, left=left, joined=[],
                                 micro_steps_lost=lost, committed=window[2] if window else 0,
                                 seconds=self.slowest(time.monotonic() - start))

@@ -38,8 +38,9 @@ class CommitProtocol(Protocol):
     def commit(self, sync: int) -> bool:
         """Vote that this rank holds synced backward ``sync``'s reduction; True when every member did."""
 
-    def reform(self, failure: BaseException, sync: int) -> dist.ProcessGroup:
-        """Abort synced backward ``sync``, agree on the survivors and return their new group."""
+    def reform(self, failure: BaseException, sync: int, committed: bool = False) -> dist.ProcessGroup:
+        """Abort synced backward ``sync``, agree on the survivors and return their new group (``committed``: it
+        committed, a collective after it failed: the window is kept)."""
 
 
 def attach(reducer: Any, protocol: CommitProtocol, on_regroup: Callable[[dist.ProcessGroup], None]) -> None:
@@ -83,14 +84,26 @@ class Attachment:
             self.regroup(group)
             self.restart_sync()
 
-    def regroup(self, group: dist.ProcessGroup) -> None:
-        """Point the reducer's parts at ``group`` (the survivors' new group, or a joiner's first)."""
+    def regroup(self, group: dist.ProcessGroup, joining: bool = False) -> None:
+        """Point the reducer's parts at ``group`` (the survivors' new group, or a joiner's first); a sharded store
+        re-shards over it, every member at once (``joining``: this rank holds nothing of the model yet)."""
         r = self.reducer
         r.group, r.rank, r.world_size = group, dist.get_rank(group), dist.get_world_size(group)
         r.plane.regroup(group, r.rank, r.world_size)
         r.launcher.group = r.layout.group = group
-        r.store.world_size = r.world_size
+        if r.store.sharded:
+            r.store.regroup(group, r.rank, r.world_size, contributes=not joining)
+        else:
+            r.store.world_size = r.world_size
         self.on_regroup(group)
+
+    def recover(self, failure: BaseException) -> None:
+        """A collective after the synced backward's commit failed (``ShardedOptimizer``'s all-gathers): re-form
+        and re-shard; the committed window stays."""
+        self.lose_group(failure)
+        group = self.protocol.reform(failure, self.reducer.counters.sync, committed=True)
+        self.broken = None
+        self.regroup(group)
 
     def restart_sync(self) -> None:
         """Reduce this synced backward again in the new group, from this rank's own window (``.grad``,
@@ -121,7 +134,8 @@ class Attachment:
         r = self.reducer
         if r.auto_caps is not None and state["auto"] is not None:
             r.auto_caps.load_state(state["auto"])
-        r.layout.replan(r.layout.order(), tuple(state["caps"]))
+        if r.store.replans:  # a sharded store keeps the layout it was built with, the same on every member
+            r.layout.replan(r.layout.order(), tuple(state["caps"]))
 
 
 __all__ = ["Attachment", "CommitProtocol", "attach"]

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from .. import process
 from .._torch import foreach_mul_
+from ..engine.errors import PeerFailure
 
 
 @torch.no_grad()
@@ -26,7 +27,14 @@ def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
         local = sum((s.double().abs().pow(norm_type).sum() for s in shards),
                     torch.zeros((), dtype=torch.float64, device=device))
         op = dist.ReduceOp.SUM
-    reducer.wait(dist.all_reduce(local, op=op, group=reducer.group, async_op=True), "the gradient-norm all-reduce")
+    try:
+        reducer.wait(dist.all_reduce(local, op=op, group=reducer.group, async_op=True), "the gradient-norm all-reduce")
+    except (RuntimeError, dist.DistError) as exc:
+        if reducer.attached is None:
+            raise
+        # a member left after the commit: the survivors re-shard (sharded/regroup.py) and take the norm again
+        reducer.attached.recover(exc if isinstance(exc, PeerFailure) else PeerFailure(f"gradsync: {exc}"))
+        return clip_shards(reducer, max_norm, norm_type, error_if_nonfinite)
     total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
     total = total.to(shards[0].dtype)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -34,7 +42,7 @@ def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
                            "non-finite, so it cannot be clipped. Pass error_if_nonfinite=False "
                            "to clip anyway.")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    foreach_mul_(shards, coef)
+    foreach_mul_(shards + [b.mirror_shard for b in reducer.buckets if b.mirror_shard is not None], coef)
     return total
 
 

@@ -34,15 +34,20 @@ class ShardedLauncher:
         if traced:
             bucket.times["launch"] = time.perf_counter()
         store = self.store
-        out_numel = bucket.numel if self.exchange else bucket.shard_numel
-        out_bytes = out_numel * bucket.buffer.element_size()
+        # mirrored (regroup.py): every rank needs two shards of the average, so the bucket is all-reduced, a copy
+        out_numel = bucket.numel if self.exchange or store.mirrored else bucket.shard_numel
+        out_dtype = bucket.grad_shard.dtype if store.mirrored else bucket.buffer.dtype
+        out_bytes = out_numel * out_dtype.itemsize
         budget = self.staging_budget_bytes
         while self.inflight and (len(self.inflight) >= max(1, self.max_inflight) or
                                  (budget is not None and store.staging_bytes + out_bytes > budget)):
             self._fold(self.inflight.popleft(), traced)  # before allocating this bucket's output
-        bucket.out = store.take(out_numel, bucket.buffer.dtype, bucket.flat_param.device)
-        bucket.handle = start_reduce_scatter(bucket.buffer, bucket.out, store.world_size, self.group, self.exchange,
-                                             keep=store.apart)
+        bucket.out = store.take(out_numel, out_dtype, bucket.flat_param.device)
+        if store.mirrored:
+            bucket.handle = dist.all_reduce(bucket.out.copy_(bucket.buffer), group=self.group, async_op=True)
+        else:
+            bucket.handle = start_reduce_scatter(bucket.buffer, bucket.out, store.world_size, self.group, self.exchange,
+                                                 keep=store.apart)
         store.track(out_bytes)
         self.inflight.append(bucket)
         self.max_inflight_seen = max(self.max_inflight_seen, len(self.inflight))

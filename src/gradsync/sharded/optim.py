@@ -18,11 +18,14 @@ checkpoints move between world sizes and to and from torch optimizers with the s
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+import itertools
+import weakref
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
+from ..engine.errors import PeerFailure
 from .wrapper import ShardedDataParallel
 from .comm import start_all_gather
 from .prefetch import Gathers
@@ -33,6 +36,14 @@ class _Piece:
 
     def __init__(self, index: int, param: int, offset: int, tensor: torch.Tensor, grad: torch.Tensor):
         self.index, self.param, self.offset, self.tensor, self.grad = index, param, offset, tensor, grad
+
+
+class _Side(NamedTuple):
+    """One shard's pieces and the inner optimizer that steps them."""
+    masters: list[torch.Tensor]
+    pieces: list[_Piece]
+    by_bucket: list[list[_Piece]]
+    optimizer: torch.optim.Optimizer
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -50,7 +61,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     forward, at the next ``step()`` and in ``state_dict()``/``load_state_dict()``. Memory read
     without a torch function (raw pointers, ``torch.distributed`` calls on parameters) needs
     ``wait_for_params()`` first. Under ``torch.compile`` everything is waited at forward entry.
+
+    On an elastic model (``gradsync.elastic``) the store mirrors the shards (``regroup.py``): ``mirror`` then
+    holds the next rank's shard, stepped alike, and a re-shard rebuilds both sides (``lay_sides``); the
+    all-gathers are waited in ``step()``, where a peer's failure is recovered.
     """
+
+    sharded = True  # its state moves with the model's shards (a member that joins receives it as they re-shard)
 
     def __init__(self, model: ShardedDataParallel, optimizer_class: Callable[..., torch.optim.Optimizer],
                  *, param_groups: Iterable[dict] | None = None, prefetch: bool = False, **kwargs: Any):
@@ -60,53 +77,59 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not isinstance(prefetch, bool):
             raise TypeError(f"gradsync: ShardedOptimizer's prefetch must be True or False, got "
                             f"{type(prefetch).__name__} {prefetch!r}")
-        self.prefetch = prefetch
-        self.model = model
+        self.prefetch, self.model = prefetch, model
         self.reducer = reducer = model.reducer
         store = reducer.store
-        self._masters: list[torch.Tensor] = []
-        pieces_of: dict[int, _Piece] = {}
-        for b in reducer.buckets:
-            start, end = store.shard_range(b)
-            own = b.flat_param[start:end]
-            master = own if own.dtype == b.grad_shard.dtype else own.to(b.grad_shard.dtype)
-            self._masters.append(master)
-            for i, off in zip(b.members, b.offsets):
-                lo, hi = max(off, start), min(off + reducer.params[i].numel(), end)
-                if lo < hi:
-                    pieces_of[i] = _Piece(-1, i, lo - off, master[lo - start:hi - start],
-                                          b.grad_shard[lo - start:hi - start])
-
-        groups = self._user_groups(param_groups)
+        self._groups = groups = self._user_groups(param_groups)
+        self._optimizer_class, self._kwargs = optimizer_class, kwargs
         # like torch: state is keyed by position in the concatenated groups' parameter lists
         order = [i for members, _ in groups for i in members]
         self._state_index = {i: k for k, i in enumerate(order)}
         self._state_shape = [reducer.params[i].shape for i in order]
-        self._group_params, k = [], 0
-        for members, _ in groups:
-            self._group_params.append(list(range(k, k + len(members))))
-            k += len(members)
-        self._pieces: list[_Piece] = []
-        inner_groups = []
-        for members, options in groups:
-            tensors = []
-            for i in members:
-                if i in pieces_of:
-                    piece = pieces_of[i]
-                    piece.index = len(self._pieces)
-                    self._pieces.append(piece)
-                    tensors.append(piece.tensor)
-            inner_groups.append({**options, "params": tensors})
-        self.optimizer = optimizer_class(inner_groups, **kwargs)
-        self._bucket_pieces: list[list[_Piece]] = [[] for _ in reducer.buckets]
-        for piece in self._pieces:
-            self._bucket_pieces[store.bucket_of[piece.param]].append(piece)
+        starts = [0, *itertools.accumulate(len(members) for members, _ in groups)]
+        self._group_params = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+        self.lay_sides()
         self._initializing = True
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
         self._initializing = False
         self._link()
+        store.optimizer = weakref.ref(self)  # a sharded store that re-shards (regroup.py) carries this state along
         if prefetch and store.gathers is None:
             store.gathers = Gathers(reducer)
+
+    def lay_sides(self, flats: list[torch.Tensor] | None = None) -> None:
+        """Build the pieces and inner optimizer of this rank's shard and, where the store mirrors shards, of the
+        next rank's (``regroup.py``); ``flats``: each bucket's parameters, flat, in the masters' dtype."""
+        store = self.reducer.store
+        self.own = self._side(store.rank, "grad_shard", flats)
+        self._masters, self._pieces, self._bucket_pieces, self.optimizer = self.own
+        self.mirror = self._side((store.rank + 1) % store.world_size, "mirror_shard", flats) if store.mirrored else None
+
+    def _side(self, shard: int, grads: str, flats: list[torch.Tensor] | None) -> tuple:
+        reducer, own = self.reducer, shard == self.reducer.store.rank
+        masters, pieces_of = [], {}
+        for b in reducer.buckets:
+            start, end = shard * b.shard_numel, (shard + 1) * b.shard_numel
+            mine = b.flat_param[start:end]
+            # the bucket's own memory where it is wide enough; an fp32 copy (or the mirror's copy) otherwise
+            master = mine if own and mine.dtype == b.grad_shard.dtype else (
+                mine if flats is None else flats[b.index][start:end]).to(b.grad_shard.dtype, copy=True)
+            masters.append(master)
+            grad = getattr(b, grads)
+            for i, off in zip(b.members, b.offsets):
+                lo, hi = max(off, start), min(off + reducer.params[i].numel(), end)
+                if lo < hi:
+                    pieces_of[i] = _Piece(-1, i, lo - off, master[lo - start:hi - start], grad[lo - start:hi - start])
+        pieces, inner_groups = [], []
+        for members, options in self._groups:
+            for piece in (mine := [pieces_of[i] for i in members if i in pieces_of]):
+                piece.index = len(pieces)
+                pieces.append(piece)
+            inner_groups.append({**options, "params": [piece.tensor for piece in mine]})
+        by_bucket: list[list[_Piece]] = [[] for _ in reducer.buckets]
+        for piece in pieces:
+            by_bucket[reducer.store.bucket_of[piece.param]].append(piece)
+        return _Side(masters, pieces, by_bucket, self._optimizer_class(inner_groups, **self._kwargs))
 
     def _user_groups(self, param_groups: Iterable[dict] | None) -> list[tuple[list[int], dict]]:
         reducer = self.reducer
@@ -172,55 +195,80 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         reducer, store = self.reducer, self.reducer.store
         store.check_ready_to_step()
-        for piece in self._pieces:
-            piece.tensor.grad = None
+        sides = [(self.optimizer, self._pieces, self._bucket_pieces)]
+        if self.mirror is not None:  # the next rank's shard, stepped alike: kept should that rank leave
+            for group, theirs in zip(self.optimizer.param_groups, self.mirror.optimizer.param_groups):
+                theirs.update((k, v) for k, v in group.items() if k != "params")  # a scheduler edits ours
+            sides.append((self.mirror.optimizer, self.mirror.pieces, self.mirror.by_bucket))
+        for _, pieces, _ in sides:
+            for piece in pieces:
+                piece.tensor.grad = None
         # bucket by bucket (the optimizer is element-wise), so that each bucket's all-gather runs
         # while the optimizer steps the next one
         works: dict[int, list] = {}
-        for b, master, pieces in zip(reducer.buckets, self._masters, self._bucket_pieces):
-            stepped = [p for p in pieces if store.has_grad[p.param]]
-            if stepped:
+        failure = None  # with a commit protocol: a peer left during the all-gathers; every shard steps anyway
+        for b, master in zip(reducer.buckets, self._masters):
+            for optimizer, _, by_bucket in sides:
+                stepped = [p for p in by_bucket[b.index] if store.has_grad[p.param]]
                 for piece in stepped:
                     piece.tensor.grad = piece.grad
-                self.optimizer.step()
+                if stepped:
+                    optimizer.step()
                 for piece in stepped:
                     piece.tensor.grad = None
             start, end = store.shard_range(b)
             own = b.flat_param[start:end]
             if master is not own:
                 own.copy_(master)
-            if reducer.world_size > 1:
-                works[b.index] = start_all_gather(b.flat_param, b.shard_numel, reducer.rank, reducer.group,
-                                                  reducer.launcher.exchange)
+            if reducer.world_size > 1 and failure is None:
+                try:
+                    works[b.index] = start_all_gather(b.flat_param, b.shard_numel, reducer.rank, reducer.group,
+                                                      reducer.launcher.exchange)
+                except (RuntimeError, dist.DistError) as exc:
+                    failure = self._lost(exc)
         for piece in self._pieces:
             piece.tensor.grad = piece.grad if store.has_grad[piece.param] else None
-        if not (self.prefetch and store.gathers.defer(works)):
-            for index, bucket_works in works.items():
-                for work in bucket_works:
-                    reducer.wait(work, f"the parameter all-gather of bucket {index}")
+        if failure is None and not (self.prefetch and reducer.attached is None and store.gathers.defer(works)):
+            try:
+                for index, bucket_works in works.items():
+                    for work in bucket_works:
+                        reducer.wait(work, f"the parameter all-gather of bucket {index}")
+            except (RuntimeError, dist.DistError) as exc:
+                failure = self._lost(exc)
+        if failure is not None:  # the survivors re-form and re-shard: every parameter comes from its holder
+            reducer.attached.recover(failure)
         return loss
+
+    def _lost(self, exc: BaseException) -> PeerFailure:
+        if self.reducer.attached is None:
+            raise exc
+        return exc if isinstance(exc, PeerFailure) else PeerFailure(f"gradsync: {exc}")
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:
         """Return the full (unsharded) optimizer state in torch's format; collective: call on every rank."""
         self.wait_for_params()
-        inner = self.optimizer.state_dict()
-        local = []
-        for k, st in inner["state"].items():
-            piece = self._pieces[k]
-            local.append((self._state_index[piece.param], piece.offset, piece.tensor.numel(),
-                          {key: v.detach().cpu() if isinstance(v, torch.Tensor) else v
-                           for key, v in st.items()}))
         everyone: list[Any] = [None] * self.reducer.world_size
-        dist.all_gather_object(everyone, local, group=self.reducer.group)
+        dist.all_gather_object(everyone, self.pieces_state(), group=self.reducer.group)
+        return self.full_state([piece for pieces in everyone for piece in pieces])
+
+    def pieces_state(self, mirror: bool = False) -> list[tuple]:
+        """(state index, offset in the parameter, elements, state on the CPU) of each piece of this rank's shard,
+        or of the shard it mirrors."""
+        optimizer, pieces = (self.mirror.optimizer, self.mirror.pieces) if mirror else (self.optimizer, self._pieces)
+        return [(self._state_index[pieces[k].param], pieces[k].offset, pieces[k].tensor.numel(),
+                 {key: v.detach().cpu() if isinstance(v, torch.Tensor) else v for key, v in st.items()})
+                for k, st in optimizer.state_dict()["state"].items()]
+
+    def full_state(self, pieces: list[tuple]) -> dict[str, Any]:
+        """torch's per-parameter state from pieces that tile the parameters, with this rank's group options."""
         by_param: dict[int, list] = {}
-        for pieces in everyone:
-            for j, offset, numel, st in pieces:
-                by_param.setdefault(j, []).append((offset, numel, st))
+        for j, offset, numel, st in pieces:
+            by_param.setdefault(j, []).append((offset, numel, st))
         state = {j: _join(sorted(pieces, key=lambda x: x[0]), self._state_shape[j])
                  for j, pieces in sorted(by_param.items())}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(params)}
-                  for g, params in zip(inner["param_groups"], self._group_params)]
+                  for g, params in zip(self.optimizer.param_groups, self._group_params)]
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -234,23 +282,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"{self._group_params}; build the optimizer with the same param_groups (same parameters "
                 "in the same order) as the one that saved the state"
             )
-        full = state_dict["state"]
-        state = {}
-        for piece in self._pieces:
-            st = full.get(self._state_index[piece.param])
-            if st is None:
-                continue
-            numel = self.reducer.params[piece.param].numel()
-            state[piece.index] = {
-                key: v.reshape(-1)[piece.offset:piece.offset + piece.tensor.numel()].clone()
-                if _per_element(key, v, numel) else v
-                for key, v in st.items()}
-        inner_groups, k = [], 0
-        for g, current in zip(groups, self.optimizer.param_groups):
-            n = len(current["params"])
-            inner_groups.append({**g, "params": list(range(k, k + n))})
-            k += n
-        self.optimizer.load_state_dict({"state": state, "param_groups": inner_groups})
+        mirrored = [(self.mirror.optimizer, self.mirror.pieces)] if self.mirror is not None else []
+        for optimizer, pieces in [(self.optimizer, self._pieces)] + mirrored:
+            state = {}
+            for piece in pieces:
+                st = state_dict["state"].get(self._state_index[piece.param])
+                if st is None:
+                    continue
+                numel = self.reducer.params[piece.param].numel()
+                state[piece.index] = {  # a tensor each: AdamW counts its step in place, and a parameter may
+                    # have a piece in this rank's shard and one in the shard it mirrors
+                    key: v.reshape(-1)[piece.offset:piece.offset + piece.tensor.numel()].clone()
+                    if _per_element(key, v, numel) else v.clone() if isinstance(v, torch.Tensor) else v
+                    for key, v in st.items()}
+            inner_groups, k = [], 0
+            for g, current in zip(groups, optimizer.param_groups):
+                n = len(current["params"])
+                inner_groups.append({**g, "params": list(range(k, k + n))})
+                k += n
+            optimizer.load_state_dict({"state": state, "param_groups": inner_groups})
         self._link()
 
 

@@ -25,6 +25,7 @@ from ..engine.layout import plan_buckets
 from ..engine.main_grad import MainGrads
 from ..engine.store import Bucket, BucketStore
 from .comm import BufferPool, exchanges, fold
+from .regroup import mirror_shards, reshard
 
 
 @dataclass
@@ -35,6 +36,7 @@ class ShardedBucket(Bucket):
     grad_shard: torch.Tensor | None = None  # this rank's averaged gradient, accumulated
     out: torch.Tensor | None = None  # reduce-scatter output while in flight
     shard_zero: bool = True  # grad_shard is all zeros (nothing folded since zero_grad)
+    mirror_shard: torch.Tensor | None = None  # mirror_shards(): the next rank's averaged gradient, accumulated
 
     @property
     def shard_numel(self) -> int:
@@ -69,6 +71,13 @@ class ShardedBucketStore:
                 self.pool.give(b.out)
                 b.out = None
 
+    mirror = False  # mirror_shards(): rank r also holds shard (r + 1) % W, for a member that leaves (regroup.py)
+    mirrored = property(lambda self: self.mirror and self.world_size > 1)
+    optimizer = None  # a weak reference to the ShardedOptimizer of these shards: regroup() carries its state
+    restaged: frozenset[int] = frozenset()  # parameters whose window regroup() carried into new staging buffers
+    mirror_shards = mirror_shards
+    regroup = reshard  # (group, rank, world_size, contributes): the members changed; a collective
+
     def __init__(self, params: list[torch.Tensor], names: list[str], *, rank: int, world_size: int, caps: Caps,
                  reduce_dtype: torch.dtype | None = None, pool_size: int = 6):
         self.params, self.names = params, names
@@ -78,17 +87,19 @@ class ShardedBucketStore:
         self.plan_order = None
         self.pool = BufferPool(limit=pool_size)  # about the staging peak: in flight, being filled
         self.has_grad = [False] * len(params)  # got a gradient (on some rank) since zero_grad
+        self.staged: set[int] = set()  # parameters copied into the staging buffers since the backward began
         self.partial = False  # a synced backward failed: the shards may hold part of its sum
         self._partial_before = False
         self.staging_bytes = self.peak_staging_bytes = 0
-        self._lay_out(plan_buckets(params, *caps))
+        self.lay_out(plan_buckets(params, *caps))
         # how a bucket is reduce-scattered on this device (comm.py): the launcher starts it, the fold adds it up
         self.exchange = exchanges(self.buckets[0].flat_param.device)
         self.main = None
         if reduce_dtype is not None:
             self.main = MainGrads(params, names, self.slot, world_size=world_size, grad_is_slot=False)
 
-    def _lay_out(self, plan: list[list[int]]) -> None:
+    def lay_out(self, plan: list[list[int]], flats: list[torch.Tensor] | None = None) -> None:
+        """Lay the buckets out for this world size; ``flats``: each bucket's parameters, flat (else the parameters')."""
         n = len(self.params)
         self.buckets: list[ShardedBucket] = []
         self.bucket_of, self.offset_of = [0] * n, [0] * n
@@ -101,7 +112,7 @@ class ShardedBucketStore:
             for i in members:
                 p = self.params[i]
                 view = flat[offset:offset + p.numel()].view(p.shape)
-                view.copy_(p.detach())
+                view.copy_(p.detach() if flats is None else flats[b][offset:offset + p.numel()].view(p.shape))
                 p.data = view  # the post-step all-gather then writes the parameters in place
                 self.bucket_of[i], self.offset_of[i] = b, offset
                 offsets.append(offset)
@@ -109,8 +120,8 @@ class ShardedBucketStore:
             acc_dtype = torch.promote_types(torch.promote_types(first.dtype, torch.float32),
                                             self.reduce_dtype or first.dtype)
             grad_shard = torch.zeros(padded // self.world_size, dtype=acc_dtype, device=first.device)
-            self.buckets.append(ShardedBucket(b, list(members), None, [], offsets=offsets, numel=padded,
-                                              flat_param=flat, grad_shard=grad_shard))
+            self.buckets.append(ShardedBucket(b, list(members), None, [], offsets=offsets, numel=padded, flat_param=flat,
+                                              grad_shard=grad_shard, mirror_shard=grad_shard.clone() if self.mirrored else None))
         self._param_ptrs = [p.data_ptr() for p in self.params]
 
     def plan(self) -> list[list[int]]:
@@ -157,7 +168,12 @@ class ShardedBucketStore:
             self.add_to_shard(bucket)
 
     def add_to_shard(self, bucket: ShardedBucket) -> None:
-        fold(bucket.grad_shard, bucket.out, self.world_size, self.exchange, bucket.shard_zero)
+        if self.mirrored:  # out holds the bucket's sum (an all-reduce): this rank's shard and its mirror's
+            shards = bucket.out.div_(self.world_size).view(self.world_size, -1)
+            bucket.grad_shard.add_(shards[self.rank])
+            bucket.mirror_shard.add_(shards[(self.rank + 1) % self.world_size])
+        else:
+            fold(bucket.grad_shard, bucket.out, self.world_size, self.exchange, bucket.shard_zero)
         bucket.shard_zero = False
         self.track(-self.staged_nbytes(bucket))
         self.pool.give(bucket.buffer, bucket.out)
@@ -172,8 +188,10 @@ class ShardedBucketStore:
         p = self.params[i]
         view = self.slot(i)
         grad = p.grad
+        self.staged.add(i)
         if grad is None:
-            view.zero_()
+            if i not in self.restaged:  # else the slot holds the window, carried from the group before (regroup.py)
+                view.zero_()
         else:
             check_grad(grad, view, self.names[i])
             view.copy_(grad)
@@ -221,7 +239,7 @@ class ShardedBucketStore:
     def begin_backward(self, syncing: bool) -> None:
         if self.gathers is not None:  # the forward waited already, unless it bypassed the wrapper
             self.gathers.wait_all()
-        self._partial_before = self.partial
+        self._partial_before, self.restaged, self.staged = self.partial, frozenset(), set()
         if syncing:
             self.partial = True  # until this backward's end-of-backward check passes
 
@@ -233,7 +251,7 @@ class ShardedBucketStore:
             if self.apart and bucket.out is not None:
                 self.add_to_shard(bucket)
             self.write_back(bucket, result, counts)
-        self.partial = self._partial_before  # only zero_grad() clears an earlier failure
+        self.partial, self.staged = self._partial_before, set()  # only zero_grad() clears an earlier failure
 
     def reset(self) -> None:
         for b in self.buckets:
@@ -254,6 +272,8 @@ class ShardedBucketStore:
         for b in self.buckets:
             b.grad_shard.zero_()
             b.shard_zero = True
+            if b.mirror_shard is not None:
+                b.mirror_shard.zero_()
         if set_to_none:
             self.has_grad = [False] * len(self.params)
         self.partial = False

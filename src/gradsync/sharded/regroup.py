@@ -1,0 +1,109 @@
+"""A sharded model whose members change: each shard kept on two ranks, re-sharded over the new group.
+
+A member that dies must not take its shard of the averaged gradient and of the optimizer state with it.
+After ``mirror_shards()`` rank r also holds shard (r + 1) % W: each bucket is all-reduced (the bytes of a
+reduce-scatter that hands every rank two shards), rank r adds its own shard of the average and the one it
+mirrors, and ``ShardedOptimizer`` steps both with the same inner optimizer (``ShardedOptimizer.mirror``).
+The price per rank: a second shard of the gradient accumulator, of the optimizer state and of fp32 master
+weights, and twice the optimizer's work.
+
+When the group changes (``reshard``: the survivors after a death, or the members and a joiner, at the same
+point on every one of them), every member contributes what it holds in the old layout: its shard and the
+one it mirrors (the parameters as the optimizer's masters, the gradient, the optimizer state). Every rank
+takes each shard from its owner, or from its mirror where the owner left, lays the buckets out for the new
+world size and keeps its new shards; the window in flight (the staging buffers) is carried over. A joiner
+contributes nothing. Two neighbours that leave together take a shard with them: that raises.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def mirror_shards(store: Any) -> None:
+    """Keep each shard on two ranks from now on (before a ``ShardedOptimizer`` is built on the store)."""
+    if store.optimizer is not None:
+        raise RuntimeError("gradsync: mirror the shards before building the ShardedOptimizer")
+    store.mirror = True
+    for b in store.buckets:
+        b.mirror_shard = torch.zeros_like(b.grad_shard) if store.mirrored else None
+
+
+def held(store: Any) -> dict[str, Any]:
+    """What this rank holds in the current layout, on the CPU: its shard and the one it mirrors."""
+    optimizer = store.optimizer() if store.optimizer is not None else None
+    rank, world = store.rank, store.world_size
+    shards = {}
+    for shard, mirror in [(rank, False)] + ([((rank + 1) % world, True)] if store.mirrored else []):
+        side = None if optimizer is None else optimizer.mirror if mirror else optimizer.own
+        buckets = []
+        for k, b in enumerate(store.buckets):
+            size = b.shard_numel
+            value = b.flat_param[shard * size:(shard + 1) * size] if side is None else side.masters[k]
+            grad = b.mirror_shard if mirror else b.grad_shard
+            buckets.append((value.detach().cpu().clone(), grad.detach().cpu().clone()))
+        shards[shard] = {"buckets": buckets, "state": [] if side is None else optimizer.pieces_state(mirror)}
+    return {"owner": rank, "world": world, "shards": shards, "has_grad": list(store.has_grad),
+            "options": None if optimizer is None else optimizer.full_state([])["param_groups"]}
+
+
+def chosen_shards(given: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each shard of the old layout from its owner, else from the rank that mirrored it."""
+    chosen = []
+    for shard in range(given[0]["world"]):
+        holders = [c for c in given if c["owner"] == shard] or [c for c in given if shard in c["shards"]]
+        if not holders:
+            raise RuntimeError(
+                f"gradsync: shard {shard} of the ShardedDataParallel model (its gradient and optimizer state) was "
+                "held only by replicas that left together (neighbours in the group, each keeping the other's "
+                "shard); it cannot be recovered. Restart the job from a checkpoint.")
+        chosen.append(holders[0]["shards"][shard])
+    return chosen
+
+
+def padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
+    out = torch.zeros(numel, dtype=flat.dtype)
+    out[:min(numel, flat.numel())] = flat[:numel]
+    return out
+
+
+def reshard(store: Any, group: Any, rank: int, world_size: int, contributes: bool = True) -> None:
+    """Every member of ``group``: rebuild the sharded model from what its members hold, laid out for
+    ``world_size``, keeping this rank's shards (``contributes=False``: a joiner, which holds nothing yet)."""
+    everyone: list[Any] = [None] * world_size
+    dist.all_gather_object(everyone, held(store) if contributes else None, group=group)
+    given = [c for c in everyone if c is not None]
+    if not given:
+        raise RuntimeError("gradsync: no member of the new group holds the sharded model's state")
+    chosen = chosen_shards(given)
+    nb = len(store.buckets)
+    flats = [torch.cat([c["buckets"][k][0] for c in chosen]) for k in range(nb)]
+    grads = [torch.cat([c["buckets"][k][1] for c in chosen]) for k in range(nb)]
+    windows, carried = [b.buffer for b in store.buckets], set(store.staged) | set(store.restaged)
+    before = store.staging_bytes
+    store.rank, store.world_size = rank, world_size
+    store.lay_out(store.plan(), flats)
+    store.has_grad = list(given[0]["has_grad"])
+    store.staging_bytes = 0
+    for b, grad, window in zip(store.buckets, grads, windows):
+        size, grad = b.shard_numel, padded(grad, b.numel)
+        b.grad_shard.copy_(grad[rank * size:(rank + 1) * size])
+        if b.mirror_shard is not None:
+            b.mirror_shard.copy_(grad[(rank + 1) % world_size * size:((rank + 1) % world_size + 1) * size])
+        b.shard_zero = False
+        if carried:  # a synced backward in progress: its window goes on in the new layout (copy_in keeps it)
+            b.buffer = store.take(b.numel, b.flat_param.dtype, b.flat_param.device).zero_()
+            if window is not None:
+                b.buffer[:min(b.numel, window.numel())].copy_(window[:b.numel])
+            store.track(store.staged_nbytes(b))
+    store.restaged, store.peak_staging_bytes = frozenset(carried), max(store.peak_staging_bytes, before)
+    optimizer = store.optimizer() if store.optimizer is not None else None
+    if optimizer is not None:
+        optimizer.lay_sides([padded(f, b.numel).to(b.flat_param.device) for f, b in zip(flats, store.buckets)])
+        state = optimizer.full_state([piece for c in chosen for piece in c["state"]])
+        optimizer.load_state_dict({"state": state["state"], "param_groups": given[0]["options"]})
+
+
+__all__ = ["chosen_shards", "held", "mirror_shards", "reshard"]
