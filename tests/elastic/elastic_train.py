@@ -103,7 +103,8 @@ def main() -> None:
     parser.add_argument("--check-replicas", default="", help="DDP's check_replicas (\"evict\" or \"1\"); with "
                         "--point corrupt the victim flips a parameter bit at --window's first micro-step instead of dying")
     parser.add_argument("--kill-delay", type=float, default=0.0, help="during_reductions: seconds before the kill")
-    parser.add_argument("--hook", choices=["bf16"], default=None, help="a comm hook on the default group")
+    parser.add_argument("--hook", choices=["bf16", "powersgd"], default=None, help="a comm hook on the default group "
+                        "(powersgd: torch's, rank 1, compressing from the third synced backward)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
     parser.add_argument("--overlap", action="store_true", help="gradsync.overlap_optimizer(model, optimizer)")
     parser.add_argument("--width", type=int, default=16, help="the model's hidden width")
@@ -142,6 +143,10 @@ def main() -> None:
     assert model.delayed is None or not args.delay, "an elastic member reduces the delayed parameters in its buckets"
     if args.hook == "bf16":  # state None: the default group, which follows membership
         model.register_comm_hook(None, gradsync.hooks.bf16_compress_hook)
+    if args.hook == "powersgd":  # process_group=None: the default group too
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+        state = powersgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=0)
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
     forward = torch.compile(model) if args.compile else model
     steps = 1 if args.plain else args.steps
     acc = None if args.plain else gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=args.sync_each_batch)

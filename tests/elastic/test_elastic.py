@@ -176,6 +176,25 @@ def test_a_sharded_replica_that_rejoins_receives_its_shards(tmp_path):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("point,victim,window,same_as", [("during_reductions", 2, 3, ["--window", "3"]),
+                                                          ("optimizer_step", 1, 3, ["--window", "4", "--kill-step", "0"])])
+def test_a_stateful_hook_is_rewound_when_a_reduction_fails(tmp_path, point, victim, window, same_as):
+    """torch's PowerSGD (state on the default group, process_group=None) keeps a step count, error feedback, warm
+    starts and a random state, which the failed reduction's buckets advanced: the survivors rewind it before they
+    reduce again (engine/launcher.py). So a kill with buckets in flight, or just before the step, ends
+    bit-identical to the same job whose replica died in a forward, before that reduction began (PowerSGD is
+    lossy: one process on what was kept is no reference; it compresses from window 2)."""
+    runs = []
+    for name, args in (("failed", ["--window", str(window), "--point", point]), ("before", [*same_as, "--point", "forward"])):
+        (tmp_path / name).mkdir()
+        proc = launch(tmp_path / name, "--victim", str(victim), *args, "--hook", "powersgd", windows=6)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        runs.append(agreeing(survivors(tmp_path / name), sorted({0, 1, 2} - {victim}), proc.stderr))
+    assert all(torch.equal(a, b) for a, b in zip(runs[0]["params"], runs[1]["params"]))
+    for got, ref in zip(runs[0]["params"], reference(runs[0]["events"], 3, windows=6)):  # and it trains
+        torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)
+
+
 def each_batch_reference(events: list[dict]) -> list[torch.Tensor]:
     """sync_each_batch=True: each micro-step is the mean over the replicas that synced it (a replica that left
     keeps the micro-steps it synced before, ``committed``); the window is the mean of its micro-steps."""
