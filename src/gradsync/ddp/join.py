@@ -42,6 +42,11 @@ class DDPJoinHook(JoinHook):
             raise NotImplementedError(
                 "gradsync: join() with deterministic=True is not supported: the window's tree is over every global "
                 "micro-batch, dealt rank j // k; give every rank the same number of micro-batches")
+        if ddp.reducer.attached is not None:  # torch's Join all-reduces outside the commit protocol's reach
+            raise NotImplementedError(
+                "gradsync: join() is not supported on a model whose members may change (gradsync.elastic): a replica "
+                "dying inside it would leave the others in torch's join all-reduces. ElasticSampler deals every "
+                "member the same number of micro-batches; without it, give every replica the same number of batches")
         self.ddp = ddp
         self.last_active = list(range(ddp.world_size))  # ranks active in the latest handshake with any
         self.expect_sync: bool | None = None

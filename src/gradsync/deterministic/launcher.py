@@ -72,6 +72,7 @@ class OrderedLauncher(BucketLauncher):
         return gathered if gathered.numel() == numel else gathered[:numel]  # the buffer itself: no copy back
 
     def reset(self) -> None:
+        super().reset()
         self.exchanged.clear()
         self.gathering.clear()
 

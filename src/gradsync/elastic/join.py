@@ -25,6 +25,7 @@ import torch.distributed as dist
 from .. import process
 from ..ddp.construct import broadcast_coalesced
 from ..engine.errors import PeerFailure
+from ..engine.launcher import saved_state
 from .identity import FAILED, FINISHED, AdmissionError
 from .membership import P, MembershipError, MembershipEvent
 
@@ -157,6 +158,7 @@ def state_of(m: Any, acc: Any, reducer: Any) -> dict[str, Any]:
             "schedulers": [s.state_dict() for s in acc.wrapped_schedulers],
             "registered": {name: obj.state_dict() for name, obj in m.registered.items()},
             "counters": reducer.attached.progress(), "layout": reducer.attached.layout_state(),
+            "hook": saved_state(reducer.launcher.state) if getattr(reducer.launcher, "hook", None) else None,
             "events": list(m.events), "joins_seen": m.joins_seen}
 
 
@@ -174,6 +176,11 @@ def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
             raise MembershipError(f"gradsync: the members registered {name!r} (gradsync.elastic.register) but this "
                                   "replica did not, before its first window")
         m.registered[name].load_state_dict(sd)
+    # a comm hook's state that can be saved (torch's PowerSGD: its step count, warm starts, random state), but not
+    # the error feedback, each rank's own residual: a replica that contributed nothing owes none
+    for name, value in (state["hook"] or {}).items():
+        if name != "error_dict":
+            setattr(reducer.launcher.state, name, value)
     reducer.attached.load_progress(state["counters"])
     reducer.attached.load_layout(state["layout"])
     m.events, m.joins_seen = list(state["events"]), state["joins_seen"]

@@ -9,6 +9,7 @@ catalogue is ``gradsync.hooks``, which the engine never imports.
 """
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable
 from typing import Any
@@ -86,6 +87,15 @@ def issues_one_collective(hook: CommHook, world_size: int | None = None) -> bool
     return sizes is None or world_size in sizes
 
 
+def saved_state(state: Any) -> dict[str, Any] | None:
+    """A deep copy of a hook state's attributes but its process group, if its class says it can be saved."""
+    if type(state).__getstate__ is object.__getstate__:
+        return None
+    names = [n for c in type(state).__mro__ for n in getattr(c, "__slots__", ())] + list(getattr(state, "__dict__", ()))
+    return copy.deepcopy({n: getattr(state, n) for n in names
+                          if hasattr(state, n) and not isinstance(getattr(state, n), dist.ProcessGroup)})
+
+
 class BucketLauncher:
     def __init__(self, group: dist.ProcessGroup, plane: ControlPlane, params: list[torch.Tensor]):
         self.group = group
@@ -93,9 +103,19 @@ class BucketLauncher:
         self.params = params
         self.hook: CommHook | None = None
         self.state: Any = None
+        # a window may be reduced again (a commit protocol, skip_on): keep the hook's state as each synced
+        # backward's first launch found it, and put it back before the second reduction (rewind)
+        self.rewinds, self.kept, self.saved = False, False, None
 
     def set_hook(self, hook: CommHook | None, state: Any) -> None:
         self.hook, self.state = hook, state
+
+    def rewind(self) -> None:
+        """Before the window is reduced again: the hook's state as the synced backward began. Only a state whose
+        class defines ``__getstate__`` (how a state says it can be saved: torch's ``PowerSGDState``, with its step
+        count, error feedback, warm starts and random state) is kept; the process group stays."""
+        for name, value in copy.deepcopy(self.saved or {}).items():
+            setattr(self.state, name, value)
 
     @property
     def divides_on_copy(self) -> bool:
@@ -107,6 +127,8 @@ class BucketLauncher:
         """Start ``bucket``'s collective; its handle goes to ``bucket.handle``."""
         if traced:
             bucket.times["launch"] = time.perf_counter()
+        if self.rewinds and not self.kept:
+            self.kept, self.saved = True, saved_state(self.state) if self.hook is not None else None
         previous = buckets[bucket.index - 1].handle if bucket.index else None
         buffer, views = bucket.buffer, bucket.views
         if bucket.wire is not None:  # the window stays in the buffer: reduce its average's copy (keep_window_apart)
@@ -186,7 +208,8 @@ class BucketLauncher:
         return result
 
     def reset(self) -> None:
-        """The last backward raised before its end."""
+        """A backward begins, or the last one raised before its end: the next launch keeps the hook's state."""
+        self.kept, self.saved = False, None
 
 
 __all__ = ["BucketLauncher", "CommHook", "GradBucket", "issues_one_collective", "one_collective"]

@@ -49,6 +49,7 @@ def attach(reducer: Any, protocol: CommitProtocol, on_regroup: Callable[[dist.Pr
     reducer.plane.protocol = protocol
     reducer.layout.keep_registration_order()  # its re-plan broadcast could complete on some members only
     reducer.store.keep_window_apart()  # a failed reduction must leave each member's window whole
+    reducer.launcher.rewinds = True  # and a comm hook's state as it was (launcher.py)
 
 
 class Attachment:
@@ -112,6 +113,7 @@ class Attachment:
         r.it.restart(len(r.params))
         for b in r.store.buckets:
             b.pending, b.handle = len(b.members), None
+        r.launcher.rewind()
         r.launcher.reset()
         r.plane.launch_header(BACKWARD)
 

@@ -115,7 +115,7 @@ def keep_window_apart(r: Any) -> None:
     where they hold it (views, ``reduce_dtype``), and overlap_optimizer steps each bucket only after the control,
     once no rank failed (``reduce_again_without`` otherwise)."""
     r.store.keep_window_apart()
-    r.window_apart = True
+    r.window_apart = r.launcher.rewinds = True  # a comm hook's state is put back too (launcher.py)
 
 
 def drop_window(r: Any) -> None:
@@ -163,6 +163,7 @@ def reduce_again_without(r: Any, flags: dict[int, int]) -> list[Any]:
         for b in store.buckets:
             for i in b.members:
                 store.copy_in(i, launcher.divides_on_copy)
+    launcher.rewind()  # a comm hook's state as the first reduction found it
     for b in store.buckets:
         launcher.launch(b, store.buckets, False)
     launcher.before_control([b.handle for b in store.buckets])

@@ -70,5 +70,8 @@ class ShardedLauncher:
     def reset(self) -> None:
         self.inflight.clear()
 
+    def rewind(self) -> None:
+        """No comm hook here: no state to put back before a second reduction."""
+
 
 __all__ = ["ShardedLauncher"]
