@@ -4,7 +4,7 @@
     python benchmarks/elastic/memory.py --quick    # a small model, prints the table, writes nothing
 
 Each row is one job, ``gradsync run --replicas 3`` of this file (``--worker``): a 25.2M-parameter MLP
-(6 x Linear(2048, 2048)), windows of 2 micro-steps, plain SGD (no optimizer state), 3 windows. The
+(6 x Linear(2048, 2048)), windows of 2 micro-steps, plain SGD (no optimizer state), 3 windows (PowerSGD rows: 4). The
 same model is built on the elastic group (it follows membership) or with ``process_group=`` (it does
 not). With gradient views or ``reduce_dtype`` an elastic model reduces a staged copy of each bucket,
 so that a reduction that fails part-way leaves the window whole (``BucketStore.keep_window_apart``):
@@ -33,6 +33,8 @@ CONFIGS = {  # name -> (dtype, DDP options, elastic)
     "fp32, gradient_as_bucket_view, elastic": ("float32", {"gradient_as_bucket_view": True}, True),
     "bf16, reduce_dtype=float32": ("bfloat16", {"reduce_dtype": "float32"}, False),
     "bf16, reduce_dtype=float32, elastic": ("bfloat16", {"reduce_dtype": "float32"}, True),
+    "fp32, PowerSGD": ("float32", {"powersgd": True}, False),
+    "fp32, PowerSGD, elastic": ("float32", {"powersgd": True}, True),
     "fp32, sharded, AdamW": ("float32", {"sharded": True}, False),
     "fp32, sharded, AdamW, elastic": ("float32", {"sharded": True}, True),
 }
@@ -68,14 +70,17 @@ def worker(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[m for _ in range(args.depth) for m in (torch.nn.Linear(args.width, args.width),
                                                                         torch.nn.Tanh())]).to(getattr(torch, dtype))
-    sharded = options.pop("sharded", False)
+    sharded, powersgd = options.pop("sharded", False), options.pop("powersgd", False)
     wrapper = gradsync.ShardedDataParallel if sharded else gradsync.DistributedDataParallel
     model = wrapper(net, **options, **({} if elastic else {"process_group": dist.group.WORLD}))
+    if powersgd:  # torch's, rank 4, compressing from the third window: its state is what an elastic member keeps
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as hook
+        model.register_comm_hook(hook.PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2), hook.powerSGD_hook)
     acc = gradsync.GradientAccumulator(model, steps=2)
     inner = gradsync.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-4) if sharded else \
         torch.optim.SGD(model.parameters(), lr=1e-4)
     optimizer = acc.wrap_optimizer(inner)
-    for _ in range(3 * 2):
+    for _ in range((4 if powersgd else 3) * 2):  # PowerSGD: its first compressed window keeps an empty state
         with acc.accumulate():
             x = torch.randn(8, args.width, dtype=net[0].weight.dtype)
             acc.backward(model(x).float().square().mean())
@@ -88,8 +93,10 @@ def worker(args: argparse.Namespace) -> None:
         record.update(sharded_record(model, inner))
     else:
         in_buckets = {b.buffer.untyped_storage().data_ptr() for b in store.buckets}
+        saved = model.reducer.launcher.saved or {}  # a stateful hook's state as the last synced backward began
+        kept = [t for v in saved.values() if isinstance(v, dict) for t in v.values()]
         record.update(buckets_mib=nbytes(b.buffer for b in store.buckets) / MiB,
-                      staged_mib=nbytes(b.wire for b in store.buckets) / MiB,
+                      staged_mib=(nbytes(b.wire for b in store.buckets) + nbytes(kept)) / MiB,
                       grad_mib=nbytes(t for t in store.grad_tensors() if t.untyped_storage().data_ptr() not in in_buckets) / MiB)
     Path(args.out, f"{os.environ['GRADSYNC_REPLICA_ID']}.json").write_text(json.dumps(record))
 
@@ -149,7 +156,9 @@ def main(argv: list[str] | None = None) -> None:
         "tensors.\n\n" + text + "\n\nThe staged copies are what an elastic model with gradient views or "
         "`reduce_dtype` adds: one copy of the gradients in the reduction dtype, so that a reduction that fails "
         "part-way leaves each member's window whole. Without those options `.grad` already lives apart from the "
-        "buckets and elastic membership adds nothing. A sharded elastic model keeps each shard on two members: "
+        "buckets and elastic membership adds nothing. With a stateful comm hook (torch's PowerSGD) a member keeps a copy "
+        "of the hook's state as each synced backward begins (its error feedback and warm starts), to put it back "
+        "should the window be reduced again. A sharded elastic model keeps each shard on two members: "
         "the mirrored gradient shard, its AdamW state and its master copy (1/W of the model each), and the "
         "optimizer steps both shards.\n")
     print(f"wrote {Path(args.out, stem + '.md')}")
