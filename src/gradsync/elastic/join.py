@@ -158,7 +158,7 @@ def state_of(m: Any, acc: Any, reducer: Any) -> dict[str, Any]:
             "schedulers": [s.state_dict() for s in acc.wrapped_schedulers],
             "registered": {name: obj.state_dict() for name, obj in m.registered.items()},
             "counters": reducer.attached.progress(), "layout": reducer.attached.layout_state(),
-            "hook": saved_state(reducer.launcher.state) if getattr(reducer.launcher, "hook", None) else None,
+            "hook": saved_state(reducer.launcher.state) if reducer.launcher.hook is not None else None,
             "events": list(m.events), "joins_seen": m.joins_seen}
 
 
@@ -178,7 +178,7 @@ def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
         m.registered[name].load_state_dict(sd)
     # a comm hook's state that can be saved (torch's PowerSGD: its step count, warm starts, random state), but not
     # the error feedback, each rank's own residual: a replica that contributed nothing owes none
-    for name, value in (state["hook"] or {}).items():
+    for name, value in (state["hook"] or {}).items() if reducer.launcher.state is not None else ():
         if name != "error_dict":
             setattr(reducer.launcher.state, name, value)
     reducer.attached.load_progress(state["counters"])

@@ -13,8 +13,10 @@ agrees. A feature whose peers may leave mid-reduction (``gradsync.elastic``) att
   group and the reducer reduces the same window again in it (``reduce_until_committed``).
 
 The store keeps the window apart from a reduction in flight (``BucketStore.keep_window_apart``: with
-gradient views or ``reduce_dtype``, a staged copy of each bucket is reduced); a feature refuses what
-cannot be rolled back (``elastic/attach.py``).
+gradient views or ``reduce_dtype``, a staged copy of each bucket is reduced; a sharded store keeps its staging
+buckets, and re-shards over a new group in ``regroup``), the launcher keeps a comm hook's state to put back
+(``rewind``); a feature refuses what cannot be rolled back (``elastic/attach.py``). A collective after the
+commit that fails (``ShardedOptimizer``'s all-gathers) re-forms through ``Attachment.recover``.
 """
 from __future__ import annotations
 

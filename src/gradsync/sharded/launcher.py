@@ -18,7 +18,7 @@ from .store import ShardedBucket, ShardedBucketStore
 
 
 class ShardedLauncher:
-    hook = None  # comm hooks return a fully reduced bucket: ShardedDataParallel refuses them
+    hook = state = None  # comm hooks return a fully reduced bucket: ShardedDataParallel refuses them
     divides_on_copy = False  # the fold (or, off CPU, the launch) divides
 
     def __init__(self, group: dist.ProcessGroup, plane: ControlPlane, store: ShardedBucketStore, *,
