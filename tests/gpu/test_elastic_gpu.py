@@ -24,6 +24,14 @@ def test_elastic_drill_with_cuda_tensors_over_gloo(tmp_path):
     check_run(tmp_path, proc, victim=2, window=1)
 
 
+@pytest.mark.parametrize("point,victim,window,lost", [("during_reductions", 2, 1, 3), ("optimizer_step", 1, 2, 0)])
+def test_sharded_elastic_drill_with_cuda_tensors_over_gloo(tmp_path, point, victim, window, lost):
+    """ShardedDataParallel + ShardedOptimizer(AdamW) with each shard on two members: the re-shard moves the
+    survivors' shards through the CPU and back onto the GPU."""
+    proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, "--device", "cuda", "--sharded")
+    check_run(tmp_path, proc, victim=victim, window=window, lost=lost, adamw=True)
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 3, reason="NCCL needs a GPU per replica: 3 replicas, 3 GPUs")
 def test_elastic_drill_on_nccl_aborts_the_old_group(tmp_path):
     proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "during_reductions", "--device", "cuda",
