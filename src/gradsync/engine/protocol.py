@@ -100,6 +100,11 @@ class Attachment:
             r.store.world_size = r.world_size
         self.on_regroup(group)
 
+    def agree(self, what: str) -> bool:
+        """After a collective outside the synced backward (``ShardedOptimizer``'s all-gathers): True once every
+        member voted that it finished it, so that no member goes on while another re-forms."""
+        return self.protocol.commit(f"{what}/{self.reducer.counters.sync}")
+
     def recover(self, failure: BaseException) -> None:
         """A collective after the synced backward's commit failed (``ShardedOptimizer``'s all-gathers): re-form
         and re-shard; the committed window stays."""

@@ -235,6 +235,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         reducer.wait(work, f"the parameter all-gather of bucket {index}")
             except (RuntimeError, dist.DistError) as exc:
                 failure = self._lost(exc)
+        if failure is None and reducer.attached is not None and not reducer.attached.agree("step"):
+            failure = PeerFailure("gradsync: a member did not finish the optimizer step's all-gathers")
         if failure is not None:  # the survivors re-form and re-shard: every parameter comes from its holder
             reducer.attached.recover(failure)
         return loss
