@@ -10,7 +10,8 @@ optimizer step. Recovery latency is the kill to the survivors' next optimizer st
 survivor), which includes the rest of that window's compute; *extra* is that window's duration
 less the median window before the kill. The cost of membership when nothing fails is the median
 window of an elastic job against the same job on a plain gloo group (``--plain``: no votes, no
-sliced waits), jobs alternating.
+sliced waits), jobs alternating. ``--sharded``: ``ShardedDataParallel`` + ``ShardedOptimizer(SGD)`` instead,
+whose elastic job keeps each shard on two members (``sharded/regroup.py``).
 """
 from __future__ import annotations
 
@@ -49,9 +50,11 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     torch.manual_seed(0)
     net = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(512, 512), torch.nn.Tanh())])
-    model = gradsync.DistributedDataParallel(net)
+    model = (gradsync.ShardedDataParallel if args.sharded else gradsync.DistributedDataParallel)(net)
     acc = gradsync.GradientAccumulator(model, steps=STEPS)
-    optimizer = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=1e-3))
+    inner = gradsync.ShardedOptimizer(model, torch.optim.SGD, lr=1e-3) if args.sharded else \
+        torch.optim.SGD(model.parameters(), lr=1e-3)
+    optimizer = acc.wrap_optimizer(inner)
     record = {"steps": [], "micro_steps": 0}
     kill_file = Path(args.out) / "kill.json"
 
@@ -139,6 +142,7 @@ def main() -> None:
     parser.add_argument("--point", default="none", help=argparse.SUPPRESS)
     parser.add_argument("--kill-window", type=int, default=3, help=argparse.SUPPRESS)
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--sharded", action="store_true", help="ShardedDataParallel + ShardedOptimizer in every job")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--name", help="file name stem (default: elastic-recovery-<N>cpu-<date>)")
     parser.add_argument("--kills", type=int, default=8, help="kill jobs (points and victims take turns)")
@@ -149,10 +153,11 @@ def main() -> None:
         return
     load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="gradsync-elastic-"))
+    sharded = ["--sharded"] if args.sharded else []
     kills = []
     for i in range(args.kills):
         point, victim = POINTS[i % len(POINTS)], (i % 3)
-        res = job(work / f"kill{i}", "--victim", str(victim), "--point", point)
+        res = job(work / f"kill{i}", "--victim", str(victim), "--point", point, *sharded)
         kill_time = res["kill"]["time"]
         survivors = {r: rec for r, rec in res["records"].items() if r != victim}
         next_step = max(min(t for t in rec["steps"] if t > kill_time) for rec in survivors.values())
@@ -168,9 +173,9 @@ def main() -> None:
               f"{kills[-1]['extra_s']:.3f} s", flush=True)
     pairs = []
     for i in range(args.pairs):
-        records = job(work / f"elastic{i}")["records"]
+        records = job(work / f"elastic{i}", *sharded)["records"]
         elastic, vote = median_window(records), median_vote(records)
-        plain = median_window(job(work / f"plain{i}", "--plain")["records"])
+        plain = median_window(job(work / f"plain{i}", "--plain", *sharded)["records"])
         pairs.append({"elastic_s": elastic, "plain_s": plain, "ratio": elastic / plain, "vote_s": vote})
         print(f"pair {i}: elastic {elastic * 1e3:.1f} ms, plain {plain * 1e3:.1f} ms per window, "
               f"vote {vote * 1e3:.2f} ms", flush=True)
