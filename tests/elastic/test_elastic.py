@@ -209,11 +209,11 @@ def test_a_replica_that_rejoins_takes_the_stateful_hooks_state(tmp_path):
         torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)
 
 
-def each_batch_reference(events: list[dict]) -> list[torch.Tensor]:
+def each_batch_reference(events: list[dict], adamw: bool = False) -> list[torch.Tensor]:
     """sync_each_batch=True: each micro-step is the mean over the replicas that synced it (a replica that left
     keeps the micro-steps it synced before, ``committed``); the window is the mean of its micro-steps."""
     net = build_model()
-    optimizer = make_optimizer(net.parameters())
+    optimizer = torch.optim.AdamW(net.parameters(), **ADAMW) if adamw else make_optimizer(net.parameters())
     for w in range(WINDOWS):
         members = members_in(events, w)
         left = {r: e["committed"] for e in events if e["window"] == w for r in e["left"]}
@@ -230,15 +230,18 @@ def each_batch_reference(events: list[dict]) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("point,victim,window,kept", [("during_reductions", 2, 1, 2), ("after_commit", 1, 1, 1),
                                                       ("local_backward", 2, 1, 0)])
-def test_sync_each_batch_keeps_the_micro_steps_a_dead_replica_synced(tmp_path, point, victim, window, kept):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_sync_each_batch_keeps_the_micro_steps_a_dead_replica_synced(tmp_path, point, victim, window, kept, sharded):
     """With sync_each_batch every micro-step commits: a replica that dies keeps the micro-steps it synced in its
-    last window (``committed``), and loses the rest (``micro_steps_lost``)."""
-    proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, "--sync-each-batch")
+    last window (``committed``), and loses the rest (``micro_steps_lost``). Sharded, the committed micro-steps are
+    in the gradient shards, which the re-shard carries (the dead replica's from the member that mirrored it)."""
+    proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, "--sync-each-batch",
+                  *(["--sharded"] if sharded else []))
     assert proc.returncode == 0, proc.stderr[-4000:]
     first = agreeing(survivors(tmp_path), sorted({0, 1, 2} - {victim}), proc.stderr)
     assert [(e["window"], e["left"], e["committed"], e["micro_steps_lost"]) for e in first["events"]] == \
         [(window, [victim], kept, STEPS - kept)]
-    for got, ref in zip(first["params"], each_batch_reference(first["events"])):
+    for got, ref in zip(first["params"], each_batch_reference(first["events"], adamw=sharded)):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
