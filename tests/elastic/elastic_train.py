@@ -113,6 +113,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: replica r on GPU r % count")
     parser.add_argument("--bf16", action="store_true", help="bf16 parameters and data, reduce_dtype=torch.float32")
     parser.add_argument("--sharded", action="store_true", help="ShardedDataParallel + ShardedOptimizer(AdamW)")
+    parser.add_argument("--victim2", type=int, default=-1, help="--sharded: a replica that dies as it is about to "
+                        "contribute to the first re-shard")
     parser.add_argument("--clip", action="store_true", help="clip_grad_norm_(model.parameters(), CLIP) before each step "
                         "(after the optimizer_step point: a kill there is found in its all-reduce)")
     parser.add_argument("--delay", action="store_true", help="delay_all_reduce_named_params: the last layer's")
@@ -190,6 +192,10 @@ def main() -> None:
             return decided
         membership.commit = vote
 
+    if args.victim2 == me:  # inside the re-shard that the first death started: the others are gathering
+        import gradsync.sharded.regroup as regroup
+        held = regroup.held
+        regroup.held = lambda store: die() if gradsync.elastic.membership.membership().generation >= 1 else held(store)
     if victim and args.point == "auto_gather":  # inside the collective that gathers "auto"'s timings
         gather = gradsync.engine.autocap.AutoCaps.gather
         gradsync.engine.autocap.AutoCaps.gather = lambda self: die() if state["window"] == args.window else gather(self)

@@ -164,6 +164,19 @@ def test_sharded_adamw_drills_lose_no_shard(tmp_path, point, victim, window, los
     check_run(tmp_path, proc, victim=victim, window=window, lost=lost, adamw=True, clip=clip)
 
 
+def test_a_death_during_the_re_shard_re_forms_again(tmp_path):
+    """4 replicas: replica 1 dies with a bucket in flight, and replica 3 as the survivors re-shard. The others'
+    gathers end at once (bounded waits), nothing changed yet, so they re-form again and re-shard from the layout
+    of 4 (shard 1 from its mirror on 0, shard 3 from its mirror on 2)."""
+    proc = launch(tmp_path, "--victim", "1", "--window", "1", "--point", "during_reductions", "--sharded",
+                  "--victim2", "3", replicas=4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first = agreeing(survivors(tmp_path), [0, 2], proc.stderr)
+    assert [(e["generation"], e["window"], e["left"]) for e in first["events"]] == [(1, 1, [1]), (2, 1, [3])]
+    for got, ref in zip(first["params"], reference(first["events"], 4, adamw=True)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
 def test_a_sharded_replica_that_rejoins_receives_its_shards(tmp_path):
     """The restarted replica joins at a boundary: the members and it re-shard over the new group (it contributes
     nothing, and takes its shard and the one it mirrors, AdamW state included, from the members)."""

@@ -84,7 +84,11 @@ class Attachment:
             self.lose_group(failure)
             group = self.protocol.reform(failure, reducer.counters.sync)
             self.broken = None
-            self.regroup(group)
+            try:
+                self.regroup(group)
+            except PeerFailure as exc:  # a member died as the group re-formed (a re-shard): re-form again
+                self.lose_group(exc)
+                continue
             self.restart_sync()
 
     def regroup(self, group: dist.ProcessGroup, joining: bool = False) -> None:
@@ -94,8 +98,8 @@ class Attachment:
         r.group, r.rank, r.world_size = group, dist.get_rank(group), dist.get_world_size(group)
         r.plane.regroup(group, r.rank, r.world_size)
         r.launcher.group = r.layout.group = group
-        if r.store.sharded:
-            r.store.regroup(group, r.rank, r.world_size, contributes=not joining)
+        if r.store.sharded:  # through the control group (on the CPU), every wait bounded
+            r.store.regroup(r.plane.group, r.rank, r.world_size, r.plane.wait, contributes=not joining)
         else:
             r.store.world_size = r.world_size
         self.on_regroup(group)
@@ -108,10 +112,15 @@ class Attachment:
     def recover(self, failure: BaseException) -> None:
         """A collective after the synced backward's commit failed (``ShardedOptimizer``'s all-gathers): re-form
         and re-shard; the committed window stays."""
-        self.lose_group(failure)
-        group = self.protocol.reform(failure, self.reducer.counters.sync, committed=True)
-        self.broken = None
-        self.regroup(group)
+        while True:
+            self.lose_group(failure)
+            group = self.protocol.reform(failure, self.reducer.counters.sync, committed=True)
+            self.broken = None
+            try:
+                self.regroup(group)
+                return
+            except PeerFailure as exc:  # a member died as the group re-formed: re-form again
+                failure = exc
 
     def restart_sync(self) -> None:
         """Reduce this synced backward again in the new group, from this rank's own window (``.grad``,

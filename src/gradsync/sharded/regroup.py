@@ -16,6 +16,8 @@ contributes nothing. Two neighbours that leave together take a shard with them: 
 """
 from __future__ import annotations
 
+import pickle
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -69,12 +71,26 @@ def padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
     return out
 
 
-def reshard(store: Any, group: Any, rank: int, world_size: int, contributes: bool = True) -> None:
-    """Every member of ``group``: rebuild the sharded model from what its members hold, laid out for
-    ``world_size``, keeping this rank's shards (``contributes=False``: a joiner, which holds nothing yet)."""
-    everyone: list[Any] = [None] * world_size
-    dist.all_gather_object(everyone, held(store) if contributes else None, group=group)
-    given = [c for c in everyone if c is not None]
+def gather(obj: Any, group: Any, world_size: int, wait: Callable[[Any, str], None]) -> list[Any]:
+    """``obj`` of every rank of ``group`` (a CPU group), each wait bounded by ``wait`` (a member that dies
+    meanwhile ends it at once, where ``all_gather_object`` would wait out the group's timeout)."""
+    blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
+    wait(dist.all_gather(sizes, torch.tensor([blob.numel()]), group=group, async_op=True), "the re-shard's sizes")
+    top = max(int(s) for s in sizes)
+    out = [torch.empty(top, dtype=torch.uint8) for _ in range(world_size)]
+    wait(dist.all_gather(out, torch.cat([blob, blob.new_zeros(top - blob.numel())]), group=group, async_op=True),
+         "the re-shard")
+    return [pickle.loads(o[:int(s)].numpy().tobytes()) for o, s in zip(out, sizes)]
+
+
+def reshard(store: Any, group: Any, rank: int, world_size: int, wait: Callable[[Any, str], None],
+            contributes: bool = True) -> None:
+    """Every member of ``group`` (a CPU group): rebuild the sharded model from what its members hold, laid out
+    for ``world_size``, keeping this rank's shards (``contributes=False``: a joiner, which holds nothing yet).
+    Nothing changes here until every contribution is in: a member that dies meanwhile leaves the old layout,
+    to re-shard from again in the next group."""
+    given = [c for c in gather(held(store) if contributes else None, group, world_size, wait) if c is not None]
     if not given:
         raise RuntimeError("gradsync: no member of the new group holds the sharded model's state")
     chosen = chosen_shards(given)

@@ -76,7 +76,7 @@ class ShardedBucketStore:
     optimizer = None  # a weak reference to the ShardedOptimizer of these shards: regroup() carries its state
     restaged: frozenset[int] = frozenset()  # parameters whose window regroup() carried into new staging buffers
     mirror_shards = mirror_shards
-    regroup = reshard  # (group, rank, world_size, contributes): the members changed; a collective
+    regroup = reshard  # (group, rank, world_size, wait, contributes): the members changed; a collective
 
     def __init__(self, params: list[torch.Tensor], names: list[str], *, rank: int, world_size: int, caps: Caps,
                  reduce_dtype: torch.dtype | None = None, pool_size: int = 6):
