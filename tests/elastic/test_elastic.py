@@ -300,8 +300,7 @@ def test_bucket_cap_auto_a_replica_that_joins_takes_the_members_progress(tmp_pat
 def test_drills_with_a_comm_hook_on_the_default_group(tmp_path, point, victim, window):
     """A hook whose state names no group reduces over the default one, which follows membership. The survivors
     agree bit for bit, and bf16 compression stays within 2e-3 of the float32 reference on what was kept
-    (keeping the dead replica's window would be 1.7e-2 off). A hook with state of its own (PowerSGD's step count
-    and error feedback) is not rolled back when a reduction fails part-way: not drilled."""
+    (keeping the dead replica's window would be 1.7e-2 off). A hook with state of its own: below."""
     proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, "--hook", "bf16")
     assert proc.returncode == 0, proc.stderr[-4000:]
     first = agreeing(survivors(tmp_path), sorted({0, 1, 2} - {victim}), proc.stderr)
