@@ -152,13 +152,15 @@ def test_drills_with_the_options_a_large_model_runs(tmp_path, option, point, vic
 
 
 @pytest.mark.parametrize("clip", [False, True])
-@pytest.mark.parametrize("point,victim,window,lost", [("during_reductions", 2, 1, STEPS), ("optimizer_step", 1, 2, 0)])
+@pytest.mark.parametrize("point,victim,window,lost", [("during_reductions", 2, 1, STEPS), ("optimizer_step", 1, 2, 0),
+                                                      ("step_vote", 1, 2, 0)])
 def test_sharded_adamw_drills_lose_no_shard(tmp_path, point, victim, window, lost, clip):
     """ShardedDataParallel + ShardedOptimizer(AdamW): each shard, gradient and AdamW state, lives on two members
     (sharded/regroup.py). A replica killed with a bucket in flight costs its window; one killed just before the
     step costs nothing (the survivors find it gone in the step's all-gathers, after the commit, and re-shard
-    there; with ``clip``, in clip_grad_norm_'s all-reduce, which takes the norm again in the new group). The
-    survivors equal one process with plain AdamW on what was kept."""
+    there; with ``clip``, in clip_grad_norm_'s all-reduce, which takes the norm again in the new group). One killed
+    after the step's all-gathers, before the step's vote, is found in the vote. The survivors equal one process
+    with plain AdamW on what was kept."""
     proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, "--sharded",
                   *(["--clip"] if clip else []))
     check_run(tmp_path, proc, victim=victim, window=window, lost=lost, adamw=True, clip=clip)
