@@ -81,14 +81,7 @@ class Attachment:
                     failure = PeerFailure(f"gradsync: a member did not finish synced backward {reducer.counters.sync}")
                 except PeerFailure as exc:
                     failure = exc
-            self.lose_group(failure)
-            group = self.protocol.reform(failure, reducer.counters.sync)
-            self.broken = None
-            try:
-                self.regroup(group)
-            except PeerFailure as exc:  # a member died as the group re-formed (a re-shard): re-form again
-                self.lose_group(exc)
-                continue
+            self.reform(failure)
             self.restart_sync()
 
     def regroup(self, group: dist.ProcessGroup, joining: bool = False) -> None:
@@ -110,16 +103,21 @@ class Attachment:
         return self.protocol.commit(f"{what}/{self.reducer.counters.sync}")
 
     def recover(self, failure: BaseException) -> None:
-        """A collective after the synced backward's commit failed (``ShardedOptimizer``'s all-gathers): re-form
-        and re-shard; the committed window stays."""
+        """A collective after the synced backward's commit failed (``ShardedOptimizer``'s all-gathers, a sharded
+        clip's all-reduce): re-form and re-shard; the committed window stays."""
+        self.reform(failure if isinstance(failure, PeerFailure) else PeerFailure(f"gradsync: {failure}"), committed=True)
+
+    def reform(self, failure: BaseException, committed: bool = False) -> None:
+        """Stop using the group, agree on the survivors and point the reducer at their group; a member that dies
+        meanwhile (inside a sharded store's re-shard) costs one more round."""
         while True:
             self.lose_group(failure)
-            group = self.protocol.reform(failure, self.reducer.counters.sync, committed=True)
+            group = self.protocol.reform(failure, self.reducer.counters.sync, committed=committed)
             self.broken = None
             try:
                 self.regroup(group)
                 return
-            except PeerFailure as exc:  # a member died as the group re-formed: re-form again
+            except PeerFailure as exc:
                 failure = exc
 
     def restart_sync(self) -> None:

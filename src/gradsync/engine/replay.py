@@ -155,7 +155,7 @@ def reduce_again_without(r: Any, flags: dict[int, int]) -> list[Any]:
             "the window's last backward).")
     if r.rank in failed:
         r.window_used = [False] * len(r.params)
-    if getattr(store, "refill", None) is not None:  # a sharded store keeps the window in its staging buckets
+    if store.sharded:  # a sharded store keeps the window in its staging buckets
         store.refill(r.rank in failed)
     else:
         if r.rank in failed:

@@ -9,7 +9,6 @@ import torch.distributed as dist
 
 from .. import process
 from .._torch import foreach_mul_
-from ..engine.errors import PeerFailure
 
 
 @torch.no_grad()
@@ -33,7 +32,7 @@ def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
         if reducer.attached is None:
             raise
         # a member left after the commit: the survivors re-shard (sharded/regroup.py) and take the norm again
-        reducer.attached.recover(exc if isinstance(exc, PeerFailure) else PeerFailure(f"gradsync: {exc}"))
+        reducer.attached.recover(exc)
         return clip_shards(reducer, max_norm, norm_type, error_if_nonfinite)
     total = local if norm_type == float("inf") else local.pow(1.0 / norm_type)
     total = total.to(shards[0].dtype)

@@ -103,13 +103,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         store = self.reducer.store
         self.own = self._side(store.rank, "grad_shard", flats)
         self._masters, self._pieces, self._bucket_pieces, self.optimizer = self.own
-        self.mirror = self._side((store.rank + 1) % store.world_size, "mirror_shard", flats) if store.mirrored else None
+        self.mirror = self._side(store.mirror_rank, "mirror_shard", flats) if store.mirrored else None
 
     def _side(self, shard: int, grads: str, flats: list[torch.Tensor] | None) -> tuple:
-        reducer, own = self.reducer, shard == self.reducer.store.rank
-        masters, pieces_of = [], {}
+        reducer, store = self.reducer, self.reducer.store
+        own, masters, pieces_of = shard == store.rank, [], {}
         for b in reducer.buckets:
-            start, end = shard * b.shard_numel, (shard + 1) * b.shard_numel
+            start, end = store.shard_range(b, shard)
             mine = b.flat_param[start:end]
             # the bucket's own memory where it is wide enough; an fp32 copy (or the mirror's copy) otherwise
             master = mine if own and mine.dtype == b.grad_shard.dtype else (
@@ -128,7 +128,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             inner_groups.append({**options, "params": [piece.tensor for piece in mine]})
         by_bucket: list[list[_Piece]] = [[] for _ in reducer.buckets]
         for piece in pieces:
-            by_bucket[reducer.store.bucket_of[piece.param]].append(piece)
+            by_bucket[store.bucket_of[piece.param]].append(piece)
         return _Side(masters, pieces, by_bucket, self._optimizer_class(inner_groups, **self._kwargs))
 
     def _user_groups(self, param_groups: Iterable[dict] | None) -> list[tuple[list[int], dict]]:
@@ -195,25 +195,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         reducer, store = self.reducer, self.reducer.store
         store.check_ready_to_step()
-        sides = [(self.optimizer, self._pieces, self._bucket_pieces)]
+        sides = [self.own] if self.mirror is None else [self.own, self.mirror]
         if self.mirror is not None:  # the next rank's shard, stepped alike: kept should that rank leave
             for group, theirs in zip(self.optimizer.param_groups, self.mirror.optimizer.param_groups):
                 theirs.update((k, v) for k, v in group.items() if k != "params")  # a scheduler edits ours
-            sides.append((self.mirror.optimizer, self.mirror.pieces, self.mirror.by_bucket))
-        for _, pieces, _ in sides:
-            for piece in pieces:
+        for side in sides:
+            for piece in side.pieces:
                 piece.tensor.grad = None
         # bucket by bucket (the optimizer is element-wise), so that each bucket's all-gather runs
         # while the optimizer steps the next one
         works: dict[int, list] = {}
         failure = None  # with a commit protocol: a peer left during the all-gathers; every shard steps anyway
         for b, master in zip(reducer.buckets, self._masters):
-            for optimizer, _, by_bucket in sides:
-                stepped = [p for p in by_bucket[b.index] if store.has_grad[p.param]]
+            for side in sides:
+                stepped = [p for p in side.by_bucket[b.index] if store.has_grad[p.param]]
                 for piece in stepped:
                     piece.tensor.grad = piece.grad
                 if stepped:
-                    optimizer.step()
+                    side.optimizer.step()
                 for piece in stepped:
                     piece.tensor.grad = None
             start, end = store.shard_range(b)
@@ -241,10 +240,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             reducer.attached.recover(failure)
         return loss
 
-    def _lost(self, exc: BaseException) -> PeerFailure:
+    def _lost(self, exc: BaseException) -> BaseException:
+        """A failed all-gather: re-raised without a commit protocol, else recovered once every shard stepped."""
         if self.reducer.attached is None:
             raise exc
-        return exc if isinstance(exc, PeerFailure) else PeerFailure(f"gradsync: {exc}")
+        return exc
 
     # ---------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict[str, Any]:

@@ -38,12 +38,12 @@ def held(store: Any) -> dict[str, Any]:
     optimizer = store.optimizer() if store.optimizer is not None else None
     rank, world = store.rank, store.world_size
     shards = {}
-    for shard, mirror in [(rank, False)] + ([((rank + 1) % world, True)] if store.mirrored else []):
+    for shard, mirror in [(rank, False)] + ([(store.mirror_rank, True)] if store.mirrored else []):
         side = None if optimizer is None else optimizer.mirror if mirror else optimizer.own
         buckets = []
         for k, b in enumerate(store.buckets):
-            size = b.shard_numel
-            value = b.flat_param[shard * size:(shard + 1) * size] if side is None else side.masters[k]
+            start, end = store.shard_range(b, shard)
+            value = b.flat_param[start:end] if side is None else side.masters[k]
             grad = b.mirror_shard if mirror else b.grad_shard
             buckets.append((value.detach().cpu().clone(), grad.detach().cpu().clone()))
         shards[shard] = {"buckets": buckets, "state": [] if side is None else optimizer.pieces_state(mirror)}
@@ -104,10 +104,10 @@ def reshard(store: Any, group: Any, rank: int, world_size: int, wait: Callable[[
     store.has_grad = list(given[0]["has_grad"])
     store.staging_bytes = 0
     for b, grad, window in zip(store.buckets, grads, windows):
-        size, grad = b.shard_numel, padded(grad, b.numel)
-        b.grad_shard.copy_(grad[rank * size:(rank + 1) * size])
+        grad = padded(grad, b.numel)
+        b.grad_shard.copy_(grad[slice(*store.shard_range(b))])
         if b.mirror_shard is not None:
-            b.mirror_shard.copy_(grad[(rank + 1) % world_size * size:((rank + 1) % world_size + 1) * size])
+            b.mirror_shard.copy_(grad[slice(*store.shard_range(b, store.mirror_rank))])
         b.shard_zero = False
         if carried:  # a synced backward in progress: its window goes on in the new layout (copy_in keeps it)
             b.buffer = store.take(b.numel, b.flat_param.dtype, b.flat_param.device).zero_()

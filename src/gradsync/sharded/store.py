@@ -73,6 +73,7 @@ class ShardedBucketStore:
 
     mirror = False  # mirror_shards(): rank r also holds shard (r + 1) % W, for a member that leaves (regroup.py)
     mirrored = property(lambda self: self.mirror and self.world_size > 1)
+    mirror_rank = property(lambda self: (self.rank + 1) % self.world_size)  # whose shard this rank mirrors
     optimizer = None  # a weak reference to the ShardedOptimizer of these shards: regroup() carries its state
     restaged: frozenset[int] = frozenset()  # parameters whose window regroup() carried into new staging buffers
     mirror_shards = mirror_shards
@@ -171,7 +172,7 @@ class ShardedBucketStore:
         if self.mirrored:  # out holds the bucket's sum (an all-reduce): this rank's shard and its mirror's
             shards = bucket.out.div_(self.world_size).view(self.world_size, -1)
             bucket.grad_shard.add_(shards[self.rank])
-            bucket.mirror_shard.add_(shards[(self.rank + 1) % self.world_size])
+            bucket.mirror_shard.add_(shards[self.mirror_rank])
         else:
             fold(bucket.grad_shard, bucket.out, self.world_size, self.exchange, bucket.shard_zero)
         bucket.shard_zero = False
@@ -263,10 +264,10 @@ class ShardedBucketStore:
             self.main.release()
 
     # ---------------------------------------------------------------- gradient shards
-    def shard_range(self, bucket: ShardedBucket) -> tuple[int, int]:
-        """Return the [start, end) range of ``bucket``'s flat buffer that this rank owns."""
-        size = bucket.shard_numel
-        return self.rank * size, (self.rank + 1) * size
+    def shard_range(self, bucket: ShardedBucket, shard: int | None = None) -> tuple[int, int]:
+        """Return the [start, end) range of ``bucket``'s flat buffer that this rank owns (or rank ``shard``)."""
+        size, shard = bucket.shard_numel, self.rank if shard is None else shard
+        return shard * size, (shard + 1) * size
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for b in self.buckets:
