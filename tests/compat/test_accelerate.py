@@ -7,6 +7,7 @@ import pytest
 
 pytest.importorskip("accelerate", reason="accelerate is not installed: pip install torch==2.13.0 -e '.[compat]'")
 
+from accelerate_sync import DATASET_SEED  # noqa: E402
 from compat_proc import run_bounded  # noqa: E402
 
 pytestmark = pytest.mark.compat
@@ -74,6 +75,13 @@ def test_accelerate_prepare_builds_the_expected_class(torch_run, gradsync_run):
     for r in gradsync_run:
         assert r["ddp_class"] == "gradsync.ddp.compat.DistributedDataParallel"
         assert r["isinstance_torch_ddp"] and r["isinstance_gradsync"]
+
+
+def test_accelerate_sync_script_draws_the_same_data_every_run(torch_run, gradsync_run):
+    # the script's dataset is unseeded; unseeded, its "not in sync" checks hold only by luck (accelerate_sync.py)
+    import numpy as np
+    seeded = float(np.random.default_rng(DATASET_SEED).normal(size=(1,)).astype(np.float32)[0])
+    assert [r["dataset_x0"] for r in torch_run + gradsync_run] == [seeded] * 4
 
 
 def test_accelerate_sync_script_passes_on_torch(torch_run):
