@@ -14,6 +14,7 @@ class Bucket:
     buffer: torch.Tensor | None
     views: list[torch.Tensor]  # per-member views of ``buffer``, shaped like the parameters
     pending: int = 0  # members not ready yet in this synced backward
+    fresh: list[int] = field(default_factory=list)  # a local backward with views: members whose .grad is not their view
     handle: Any = None  # dist.Work (default path) or torch.futures.Future (hook path)
     # ``copy_in`` with ``divide``: members copied in since the round began (the reducer zeroes it as a
     # synced backward begins), how many of them were divided on the way, the slots left to divide

@@ -310,20 +310,20 @@ def _hook(reducer: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
         me = reducer()  # None once the wrapper is gone: its parameters train locally
         it = me.it if me is not None else None
         if it is None or not it.fast or (it.syncing and it.ready[i]):
-            if me is not None:
-                me.on_grad_ready(i, param)
-            return
+            return None if me is None else me.on_grad_ready(i, param)
         # register_grad_ready, inline: on many small parameters a call each was most of the hook
-        if param.grad is not None:
+        if (grad := param.grad) is not None:
             me.window_used[i] = True
         if it.syncing:
             it.ready[i] = True
         elif not it.adopt:  # a local backward without views needs nothing per gradient
-            return
-        bucket = me.store.buckets[me.store.bucket_of[i]]
+            return None
+        bucket = (store := me.store).buckets[store.bucket_of[i]]
+        if not it.syncing and grad is not None and grad.data_ptr() != store.view_ptrs[i]:
+            bucket.fresh.append(i)  # autograd's fresh tensor, not its view: the complete bucket adopts it
         bucket.pending -= 1  # complete: a synced backward reduces it, a local one takes its .grad into its views
         if bucket.pending == 0:
-            me.bucket_ready(bucket) if it.syncing else me.store.adopt_views([bucket])
+            me.bucket_ready(bucket) if it.syncing else store.adopt_views([bucket])
     return hook
 
 

@@ -197,31 +197,31 @@ class BucketStore:
 
     def local_ready(self, i: int) -> None:
         """``keep_local`` counted per bucket (the hooks' path with views): a complete bucket adopts its views."""
-        bucket = self.buckets[self.bucket_of[i]]
+        bucket, grad = self.buckets[self.bucket_of[i]], self.params[i].grad
+        if grad is not None and grad.data_ptr() != self.view_ptrs[i]:
+            bucket.fresh.append(i)
         bucket.pending -= 1
         if bucket.pending == 0:
             self.adopt_views([bucket])
 
     def adopt_views(self, buckets: list[Bucket] | None = None) -> None:
-        """``keep_local`` for every member of ``buckets`` (default: those a local backward left incomplete): one
-        copy per bucket, not a call per small gradient."""
-        params, ptrs = self.params, self.view_ptrs
+        """``keep_local`` in one copy per bucket, not a call per small gradient: for the members of ``buckets``
+        the hooks found fresh, or (default) every member of those a local backward left incomplete."""
+        params = self.params
         for bucket in [b for b in self.buckets if b.pending] if buckets is None else buckets:
-            members, views = bucket.members, bucket.views
-            fresh, grads, plain = [], [], True  # one loop, no call per member: this runs per bucket
-            for k, i in enumerate(members):
-                if (g := params[i].grad) is not None and g.data_ptr() != ptrs[i]:
-                    fresh.append(k)
-                    grads.append(g)
-                    plain = (plain and not g.requires_grad and g.layout is torch.strided and g.dtype is views[k].dtype
-                             and g.shape == views[k].shape)
-            if not plain:
-                for k in fresh:  # one at a time, through check_grad's errors
-                    self.keep_local(members[k])
+            # a complete bucket's hooks listed its fresh gradients (after the window's first micro-step, none)
+            fresh = bucket.fresh if buckets is not None else [
+                i for i in bucket.members if (g := params[i].grad) is not None and g.data_ptr() != self.view_ptrs[i]]
+            bucket.fresh = []
+            grads, views = [params[i].grad for i in fresh], [self.views[i] for i in fresh]
+            if not all(not g.requires_grad and g.layout is torch.strided and g.dtype is v.dtype and g.shape == v.shape
+                       for g, v in zip(grads, views)):
+                for i in fresh:  # one at a time, through check_grad's errors
+                    self.keep_local(i)
             elif fresh:
-                foreach_copy_([views[k] for k in fresh], grads)
-                for k in fresh:
-                    params[members[k]].grad = views[k]
+                foreach_copy_(views, grads)
+                for i, view in zip(fresh, views):
+                    params[i].grad = view
 
     def _is_slot(self, i: int, grad: torch.Tensor) -> bool:
         """``is_view_of(grad, self.views[i])``, from the view's data pointer read once at the build."""
@@ -304,7 +304,7 @@ class BucketStore:
         """A backward starts: a local one with views counts each bucket's members in again (local_ready)."""
         if not syncing and self.adopts_views:
             for b in self.buckets:
-                b.pending = len(b.members)
+                b.pending, b.fresh = len(b.members), []
 
     def end_sync(self, results: list[Any] | None, counts: list[int], done: Any = None) -> None:
         """The synced backward's checks passed: write every bucket's average back, then ``done(members)``."""
