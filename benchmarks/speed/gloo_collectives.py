@@ -1,4 +1,4 @@
-"""Gloo's collectives on one 32 MB fp32 tensor, 2 ranks: what a sharded bucket can use on CPU.
+"""Gloo's collectives on one 32 MB fp32 tensor, 2 ranks: what a sharded bucket (and deterministic=True) can use on CPU.
 
 Prints (issue ms, issue-to-done ms) medians per rank, max over ranks, as a markdown table
 (results/speed-gloo-collectives-*.md holds one run).
@@ -36,6 +36,7 @@ def rank_fn(rank, world, n, reps):
         "all_gather_single": lambda: dist.all_gather_single(full, out, async_op=True),
         "all_gather_single in place": lambda: dist.all_gather_single(full, full[rank * s:(rank + 1) * s],
                                                                      async_op=True),
+        "all_gather into a list of chunks": lambda: dist.all_gather(list(full.split(s)), out, async_op=True),
         "broadcast per owner, in place (sharded, CPU)": lambda: Works(
             [dist.broadcast(c, src=j, async_op=True) for j, c in enumerate(full.split(s))]),
     }
