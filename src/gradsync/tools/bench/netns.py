@@ -1,4 +1,5 @@
-"""An emulated network link for benchmarks: two network namespaces joined by a veth pair.
+"""An emulated network link for benchmarks: two network namespaces joined by a veth pair (``link``), or
+several on one bridge (``star``), each end's NIC limited by ``tc``.
 
     from gradsync.tools.bench.netns import available, link
     if available():
@@ -19,7 +20,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Link", "available", "link", "kill_namespace", "delete", "existing"]
+__all__ = ["Link", "available", "enter", "link", "kill_namespace", "delete", "existing", "star"]
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,62 @@ def link(prefix: str, subnet: str, rate: str | None = None, tag: str | None = No
         delete(net.namespaces)
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def star(prefix: str, subnet: str, ends: int, rate: str | None = None, tag: str | None = None,
+         burst: str = "256kb", latency: str = "10ms") -> Iterator[Link]:
+    """``ends`` namespaces ``<prefix>-<i><tag>``, each with a veth to one bridge in this namespace (which has no
+    address): ``<subnet>.<i + 1>`` inside namespace i, ``tc tbf rate`` both ways on each end's veth (its NIC's send
+    and receive). Removed on exit, on an error and on SIGTERM/SIGINT, as ``link``."""
+    tag = str(os.getpid()) if tag is None else tag
+    net = Link(namespaces=tuple(f"{prefix}-{i}{tag}" for i in range(ends)),  # type: ignore[arg-type]
+               devices=tuple(f"{prefix}{i}i{tag}"[:15] for i in range(ends)),  # type: ignore[arg-type]
+               addresses=tuple(f"{subnet}.{i + 1}" for i in range(ends)), rate=rate)  # type: ignore[arg-type]
+    bridge, ports = f"{prefix}br{tag}"[:15], [f"{prefix}{i}o{tag}"[:15] for i in range(ends)]
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        delete(net.namespaces)
+        subprocess.run(["ip", "link", "del", bridge], stderr=subprocess.DEVNULL)
+        _run("ip", "link", "add", bridge, "type", "bridge")
+        _run("ip", "link", "set", bridge, "up")
+        shape = ["tbf", "rate", str(rate), "burst", burst, "latency", latency]
+        for ns, dev, addr, port in zip(net.namespaces, net.devices, net.addresses, ports):
+            _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", dev, "type", "veth", "peer", "name", port)
+            _run("ip", "link", "set", dev, "netns", ns)
+            _run("ip", "link", "set", port, "master", bridge)
+            _run("ip", "link", "set", port, "up")
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+            _run("ip", "-n", ns, "link", "set", dev, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            if rate:
+                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *shape)
+                _run("tc", "qdisc", "add", "dev", port, "root", *shape)
+        yield net
+    finally:
+        delete(net.namespaces)  # each takes its veth, and so its bridge port, along
+        subprocess.run(["ip", "link", "del", bridge], stderr=subprocess.DEVNULL)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def enter(namespace: str) -> None:
+    """Move the calling thread (in a freshly forked rank: the process; threads it starts later follow) into
+    ``namespace`` (``setns``)."""
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(f"/var/run/netns/{namespace}", os.O_RDONLY)
+    try:
+        if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {namespace}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def existing() -> list[str]:
