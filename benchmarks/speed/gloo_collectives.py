@@ -37,6 +37,8 @@ def rank_fn(rank, world, n, reps):
         "all_gather_single in place": lambda: dist.all_gather_single(full, full[rank * s:(rank + 1) * s],
                                                                      async_op=True),
         "all_gather into a list of chunks": lambda: dist.all_gather(list(full.split(s)), out, async_op=True),
+        "all_to_all_single of W copies of a chunk (a gather)": lambda: dist.all_to_all_single(
+            full, a2a.view(world, s).copy_(out.expand(world, s)).view(-1), async_op=True),
         "broadcast per owner, in place (sharded, CPU)": lambda: Works(
             [dist.broadcast(c, src=j, async_op=True) for j, c in enumerate(full.split(s))]),
     }
