@@ -19,11 +19,7 @@ free for the collectives, as on a GPU host) and mlp-8.4M.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-from datetime import timedelta
-
-import torch.distributed as dist
 
 import gradsync
 from gradsync.tools.bench import netns
@@ -46,20 +42,9 @@ class Deterministic(GradsyncEngine):
         return gradsync.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb, deterministic=True)
 
 
-def onto_link(rank: int, world: int) -> None:
-    """Leave the loopback group for one over this rank's namespace (its store: the loopback group's, prefixed)."""
-    store = dist.distributed_c10d._get_default_store()
-    netns.enter(LINK["namespaces"][rank])
-    os.environ["GLOO_SOCKET_IFNAME"] = LINK["devices"][rank]
-    dist.destroy_process_group()
-    dist.init_process_group("gloo", store=dist.PrefixStore("link", store), rank=rank, world_size=world,
-                            timeout=timedelta(seconds=600))
-    dist.barrier()
-
-
 def time_rank(rank, world, spec, accum, warmup, reps) -> dict:
     if LINK is not None:
-        onto_link(rank, world)
+        netns.regroup_in(LINK["namespaces"][rank], LINK["devices"][rank], rank, world)
     kw = dict(bucket_cap_mb=25.0, view=False, set_to_none=True, lr=1e-3)
     variants = with_aa({"default": lambda m: GradsyncEngine(m, **kw),
                         "deterministic": lambda m: Deterministic(m, **kw)}, "default")

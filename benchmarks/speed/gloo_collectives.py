@@ -3,7 +3,10 @@
 Prints (issue ms, issue-to-done ms) medians per rank, max over ranks, as a markdown table
 (results/speed-gloo-collectives-*.md holds one run).
 
-    python benchmarks/speed/gloo_collectives.py [numel] [world] [reps]
+    python benchmarks/speed/gloo_collectives.py [numel] [world] [reps] [RATE]
+
+With RATE (e.g. 2gbit; root) every rank runs in its own network namespace on one bridge, its veth limited to
+RATE both ways (``gradsync.tools.bench.netns.star``), as ``deterministic.py --link``.
 """
 import statistics
 import sys
@@ -12,7 +15,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from gradsync.tools.bench import netns
 from gradsync.tools.launch import run_ranks
+
+LINK = None  # with RATE: (namespaces, devices), set before the ranks fork
 
 
 class Works:
@@ -26,6 +32,8 @@ class Works:
 
 def rank_fn(rank, world, n, reps):
     torch.set_num_threads(1)
+    if LINK is not None:
+        netns.regroup_in(LINK[0][rank], LINK[1][rank], rank, world)
     s = n // world
     x, out, full, a2a = torch.randn(n), torch.empty(s), torch.empty(n), torch.empty(n)
     ops = {
@@ -60,9 +68,19 @@ def main(argv: list[str] | None = None) -> list[str]:
     n = int(float(argv[0])) if argv else 8_000_000
     world = int(argv[1]) if len(argv) > 1 else 2
     reps = int(argv[2]) if len(argv) > 2 else 9
-    per_rank = run_ranks(rank_fn, world, n, reps, timeout=600)
+    global LINK
+    if len(argv) > 3:
+        with netns.star("gsglo", "10.79.3", world, rate=argv[3]) as net:
+            LINK = (net.namespaces, net.devices)
+            try:
+                per_rank = run_ranks(rank_fn, world, n, reps, timeout=600)
+            finally:
+                LINK = None
+    else:
+        per_rank = run_ranks(rank_fn, world, n, reps, timeout=600)
     ref = max(r["all_reduce (reference)"][1] for r in per_rank)
-    lines = [f"| collective ({n * 4 / 1e6:.0f} MB fp32, {world} gloo ranks) | issue ms | done ms | x all-reduce |",
+    where = f", {argv[3]} veths" if len(argv) > 3 else ""
+    lines = [f"| collective ({n * 4 / 1e6:.0f} MB fp32, {world} gloo ranks{where}) | issue ms | done ms | x all-reduce |",
              "|---|---|---|---|"]
     for k in per_rank[0]:
         issue, done = max(r[k][0] for r in per_rank), max(r[k][1] for r in per_rank)

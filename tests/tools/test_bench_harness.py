@@ -4,6 +4,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 
@@ -83,3 +84,27 @@ def test_netns_link_is_made_and_removed_also_on_error():
     with pytest.raises(RuntimeError), netns.link("gs-test", "10.79.0", tag="u") as net:
         raise RuntimeError("boom")
     assert not set(net.namespaces) & set(netns.existing())
+
+
+def bridges() -> str:
+    return subprocess.run(["ip", "-o", "link", "show", "type", "bridge"], capture_output=True, text=True).stdout
+
+
+@pytest.mark.skipif(not netns.available(), reason="needs root, ip netns and tc")
+def test_netns_star_is_made_and_removed_also_on_error():
+    with netns.star("gs-st", "10.79.1", 3, rate="100mbit", tag="t") as net:
+        assert len(net.namespaces) == 3 and set(net.namespaces) <= set(netns.existing()) and "gs-stbrt" in bridges()
+        for end in range(3):
+            shown = subprocess.run(net.exec(end, ["ip", "-o", "addr", "show", "dev", net.devices[end]]),
+                                   capture_output=True, text=True).stdout
+            assert f"10.79.1.{end + 1}/24" in shown
+            assert "tbf" in subprocess.run(["tc", "-n", net.namespaces[end], "qdisc", "show", "dev", net.devices[end]],
+                                           capture_output=True, text=True).stdout
+        # namespace 0 reaches namespace 2 through the bridge, and nothing else: it has no other route
+        reach = "import socket; socket.create_connection(('10.79.1.3', 1), timeout=5)"
+        refused = subprocess.run(net.exec(0, [sys.executable, "-c", reach]), capture_output=True, text=True)
+        assert "ConnectionRefusedError" in refused.stderr  # an answer from 10.79.1.3 (no listener), not a timeout
+    assert not set(net.namespaces) & set(netns.existing()) and "gs-stbrt" not in bridges()
+    with pytest.raises(RuntimeError), netns.star("gs-st", "10.79.1", 2, tag="u") as net:
+        raise RuntimeError("boom")
+    assert not set(net.namespaces) & set(netns.existing()) and "gs-stbru" not in bridges()

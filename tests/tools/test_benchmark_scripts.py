@@ -240,6 +240,23 @@ def test_cluster_quick_run(tmp_path):
         assert f"gs-clu-a{record['netns_tag']}" not in left and f"gs-clu-b{record['netns_tag']}" not in left
 
 
+@pytest.mark.skipif(not netns.available(), reason="needs root, ip netns and tc")
+def test_deterministic_on_a_link_quick_run(tmp_path):
+    """benchmarks/speed/deterministic.py --link: 4 ranks, each alone in a namespace, on one bridge (so their
+    collectives can only cross the veths), the namespaces gone after."""
+    with bounded():
+        load("speed/deterministic").main(["--quick", "--world", "4", "--link", "100mbit", "--accum", "1",
+                                          "--out", str(tmp_path)])
+    record, report = record_of(tmp_path, "speed-deterministic-link")
+    assert record["world"] == 4 and [(r["model"], r["accum"]) for r in record["rows"]] == [("device-tiny", 1)]
+    assert set(record["rows"][0]["paired_ratio"]) == {"default", "deterministic", "default A/A"}
+    assert "behind a 100mbit veth" in report
+    assert not [ns for ns in netns.existing() if ns.startswith("gsdet-")]
+    lines = load("speed/gloo_collectives").main(["4096", "3", "1", "100mbit"])
+    assert "3 gloo ranks, 100mbit veths" in lines[0] and len(lines) > 8
+    assert not [ns for ns in netns.existing() if ns.startswith("gsglo-")]
+
+
 def test_gloo_collectives_quick_run(capfd):
     lines = load("speed/gloo_collectives").main(["4096", "2", "1"])
     assert lines[0].startswith("| collective") and any("reduce_scatter_single" in line for line in lines)

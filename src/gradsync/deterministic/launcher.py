@@ -3,8 +3,7 @@
 A ring or tree all-reduce adds the ranks' buckets in an order its algorithm picks, which changes with
 the world size. Here the bucket is cut into W chunks; an all-to-all gives rank c every rank's chunk c,
 which it sums in rank order (``TreeSum``: the top of the window's tree); an all-gather returns every
-summed chunk to every rank (on CPU one in-place broadcast per owner, which gloo runs faster than its
-all-gather: ``engine/collectives.py``). Each rank sends and receives (W - 1)/W of the bucket twice: the bytes
+summed chunk to every rank, in place. Each rank sends and receives (W - 1)/W of the bucket twice: the bytes
 of a ring all-reduce. A bucket's all-to-all starts when it is full; its sum and all-gather start when the
 next bucket launches (the all-to-all has had that bucket's backward to arrive), the last bucket's when
 its result is taken: the same sequence of collectives on every rank. Two ranks need none of it: a sum
@@ -17,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..engine.collectives import exchanges, start_all_gather
+from ..engine.collectives import all_gather
 from ..engine.launcher import BucketLauncher
 from ..engine.store import Bucket
 from .tree import TreeSum
@@ -29,7 +28,7 @@ class OrderedLauncher(BucketLauncher):
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.exchanged: dict[int, tuple] = {}  # bucket -> (all-to-all, its output, what it sent, numel)
-        self.gathering: dict[int, tuple[list, torch.Tensor, int]] = {}  # bucket -> (its all-gather works, output, numel)
+        self.gathering: dict[int, tuple[Any, torch.Tensor, int]] = {}  # bucket -> (all-gather, its output, numel)
 
     def set_hook(self, hook: Any, state: Any) -> None:
         if hook is not None:
@@ -61,19 +60,19 @@ class OrderedLauncher(BucketLauncher):
         tree = TreeSum()
         for part in parts.view(world, -1):  # rank order: the top of the window's tree
             tree.push(part)
-        chunks = out.view(world, -1)
-        chunks[rank].copy_(tree.total())
-        handles = start_all_gather(out, chunks.shape[1], rank, self.group, exchanges(out.device))
-        self.gathering[index] = (handles, out, numel)
+        # in place: on a rate-limited link gloo's all-gather took half the time of a broadcast per owner
+        # (benchmarks/results/speed-gloo-collectives-2cpu-2026-11-23.md, 4 ranks); the list form copies once more
+        own = out.view(world, -1)[rank]
+        own.copy_(tree.total())
+        self.gathering[index] = (all_gather(out, own, group=self.group, async_op=True), out, numel)
 
     def reduced(self, bucket: Bucket) -> torch.Tensor:
         if bucket.index in self.exchanged:  # the last bucket: nothing launched after it
             self.gather(bucket.index)
         if bucket.index not in self.gathering:  # one or two ranks: the default all-reduce
             return super().reduced(bucket)
-        handles, gathered, numel = self.gathering.pop(bucket.index)
-        for handle in handles:
-            self.plane.wait(handle, f"bucket {bucket.index} (its all-gather)")
+        handle, gathered, numel = self.gathering.pop(bucket.index)
+        self.plane.wait(handle, f"bucket {bucket.index} (its all-gather)")
         return gathered if gathered.numel() == numel else gathered[:numel]  # the buffer itself: no copy back
 
     def reset(self) -> None:

@@ -20,7 +20,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Link", "available", "enter", "link", "kill_namespace", "delete", "existing", "star"]
+__all__ = ["Link", "available", "enter", "link", "kill_namespace", "delete", "existing", "regroup_in", "star"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +169,21 @@ def enter(namespace: str) -> None:
             raise OSError(err, f"setns into network namespace {namespace}: {os.strerror(err)}")
     finally:
         os.close(fd)
+
+
+def regroup_in(namespace: str, device: str, rank: int, world: int) -> None:
+    """In a rank of ``run_ranks``: move into ``namespace`` and replace the default (loopback) process group by
+    one over ``device`` there, rendezvousing on the old group's store (prefixed)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    store = dist.distributed_c10d._get_default_store()
+    enter(namespace)
+    os.environ["GLOO_SOCKET_IFNAME"] = device
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", store=dist.PrefixStore("link", store), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=600))
+    dist.barrier()
 
 
 def existing() -> list[str]:
