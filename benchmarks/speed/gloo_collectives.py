@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     n = int(float(argv[0])) if argv else 8_000_000
     world = int(argv[1]) if len(argv) > 1 else 2
     reps = int(argv[2]) if len(argv) > 2 else 9
+    if n % world:
+        raise SystemExit(f"numel {n} is not a multiple of the world size {world}: the shards must be equal")
     global LINK
     if len(argv) > 3:
         with netns.star("gsglo", "10.79.3", world, rate=argv[3]) as net:

@@ -264,7 +264,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "module_slot_dicts", "slot_ids", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "detach_default_group",
+__all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "module_slot_dicts", "slot_ids", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group",
            "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
@@ -298,6 +298,10 @@ def abort_group(group: Any) -> None:
             abort()
         except RuntimeError:
             pass
+
+
+def default_store() -> Any:  # the default group's store: a replacement group can rendezvous on it
+    return dist.distributed_c10d._get_default_store()
 
 
 def detach_default_group() -> Any:

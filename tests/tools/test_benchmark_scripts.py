@@ -252,7 +252,7 @@ def test_deterministic_on_a_link_quick_run(tmp_path):
     assert set(record["rows"][0]["paired_ratio"]) == {"default", "deterministic", "default A/A"}
     assert "behind a 100mbit veth" in report
     assert not [ns for ns in netns.existing() if ns.startswith("gsdet-")]
-    lines = load("speed/gloo_collectives").main(["4096", "3", "1", "100mbit"])
+    lines = load("speed/gloo_collectives").main(["6144", "3", "1", "100mbit"])  # 6144: W divides it
     assert "3 gloo ranks, 100mbit veths" in lines[0] and len(lines) > 8
     assert not [ns for ns in netns.existing() if ns.startswith("gsglo-")]
 

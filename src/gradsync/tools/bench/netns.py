@@ -177,7 +177,9 @@ def regroup_in(namespace: str, device: str, rank: int, world: int) -> None:
     from datetime import timedelta
 
     import torch.distributed as dist
-    store = dist.distributed_c10d._get_default_store()
+
+    from ..._torch import default_store
+    store = default_store()
     enter(namespace)
     os.environ["GLOO_SOCKET_IFNAME"] = device
     dist.destroy_process_group()
