@@ -30,6 +30,18 @@ class Works:
             w.wait()
 
 
+def pairwise_all_to_all(out, x, rank, world, s):
+    """The all-to-all as W - 1 rounds, each with one peer each way (as a ring keeps one stream per direction):
+    round k sends chunk (rank + k) to rank + k and receives rank - k's chunk for this rank. Blocks."""
+    out[rank * s:(rank + 1) * s].copy_(x[rank * s:(rank + 1) * s])
+    for k in range(1, world):
+        to, frm = (rank + k) % world, (rank - k) % world
+        ops = [dist.P2POp(dist.isend, x[to * s:(to + 1) * s], to), dist.P2POp(dist.irecv, out[frm * s:(frm + 1) * s], frm)]
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return Works([])
+
+
 def rank_fn(rank, world, n, reps):
     torch.set_num_threads(1)
     if LINK is not None:
@@ -40,6 +52,7 @@ def rank_fn(rank, world, n, reps):
         "all_reduce (reference)": lambda: dist.all_reduce(x, async_op=True),
         "reduce_scatter_single": lambda: dist.reduce_scatter_single(out, x, async_op=True),
         "all_to_all_single (sharded, CPU)": lambda: dist.all_to_all_single(a2a, x, async_op=True),
+        "all-to-all as W - 1 pairwise rounds (blocking)": lambda: pairwise_all_to_all(a2a, x, rank, world, s),
         "reduce per owner": lambda: Works([dist.reduce(c, dst=j, async_op=True) for j, c in enumerate(x.split(s))]),
         "all_gather_single": lambda: dist.all_gather_single(full, out, async_op=True),
         "all_gather_single in place": lambda: dist.all_gather_single(full, full[rank * s:(rank + 1) * s],
