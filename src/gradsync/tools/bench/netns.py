@@ -25,14 +25,14 @@ __all__ = ["Link", "available", "enter", "link", "kill_namespace", "delete", "ex
 
 @dataclass(frozen=True)
 class Link:
-    """The two ends: namespace names, veth device names, and addresses (``10.x.y.1`` and ``.2``)."""
-    namespaces: tuple[str, str]
-    devices: tuple[str, str]
-    addresses: tuple[str, str]
+    """The ends: namespace names, veth device names, and addresses (``link``: ``10.x.y.1`` and ``.2``)."""
+    namespaces: tuple[str, ...]
+    devices: tuple[str, ...]
+    addresses: tuple[str, ...]
     rate: str | None
 
     def exec(self, end: int, cmd: list[str]) -> list[str]:
-        """``cmd`` run inside namespace ``end`` (0 or 1)."""
+        """``cmd`` run inside namespace ``end`` (0, 1, ...)."""
         return ["ip", "netns", "exec", self.namespaces[end], *cmd]
 
     def env(self, end: int) -> dict[str, str]:
@@ -122,9 +122,9 @@ def star(prefix: str, subnet: str, ends: int, rate: str | None = None, tag: str 
     address): ``<subnet>.<i + 1>`` inside namespace i, ``tc tbf rate`` both ways on each end's veth (its NIC's send
     and receive). Removed on exit, on an error and on SIGTERM/SIGINT, as ``link``."""
     tag = str(os.getpid()) if tag is None else tag
-    net = Link(namespaces=tuple(f"{prefix}-{i}{tag}" for i in range(ends)),  # type: ignore[arg-type]
-               devices=tuple(f"{prefix}{i}i{tag}"[:15] for i in range(ends)),  # type: ignore[arg-type]
-               addresses=tuple(f"{subnet}.{i + 1}" for i in range(ends)), rate=rate)  # type: ignore[arg-type]
+    net = Link(namespaces=tuple(f"{prefix}-{i}{tag}" for i in range(ends)),
+               devices=tuple(f"{prefix}{i}i{tag}"[:15] for i in range(ends)),  # interface names: 15 chars at most
+               addresses=tuple(f"{subnet}.{i + 1}" for i in range(ends)), rate=rate)
     bridge, ports = f"{prefix}br{tag}"[:15], [f"{prefix}{i}o{tag}"[:15] for i in range(ends)]
 
     def stop(signum, frame):
