@@ -198,7 +198,7 @@ class BucketStore:
     def local_ready(self, i: int) -> None:
         """``keep_local`` counted per bucket (the hooks' path with views): a complete bucket adopts its views."""
         bucket, grad = self.buckets[self.bucket_of[i]], self.params[i].grad
-        if grad is not None and grad.data_ptr() != self.view_ptrs[i]:
+        if grad is not None and not self._is_slot(i, grad):
             bucket.fresh.append(i)
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -211,7 +211,7 @@ class BucketStore:
         for bucket in [b for b in self.buckets if b.pending] if buckets is None else buckets:
             # a complete bucket's hooks listed its fresh gradients (after the window's first micro-step, none)
             fresh = bucket.fresh if buckets is not None else [
-                i for i in bucket.members if (g := params[i].grad) is not None and g.data_ptr() != self.view_ptrs[i]]
+                i for i in bucket.members if (g := params[i].grad) is not None and not self._is_slot(i, g)]
             bucket.fresh = []
             grads, views = [params[i].grad for i in fresh], [self.views[i] for i in fresh]
             if not all(not g.requires_grad and g.layout is torch.strided and g.dtype is v.dtype and g.shape == v.shape

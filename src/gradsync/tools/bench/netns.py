@@ -19,6 +19,11 @@ import signal
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..._torch import default_store
 
 __all__ = ["Link", "available", "enter", "link", "kill_namespace", "delete", "existing", "regroup_in", "star"]
 
@@ -76,6 +81,29 @@ def _run(*cmd: str) -> None:
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
+@contextlib.contextmanager
+def _ended_by_signals() -> Iterator[None]:
+    """SIGTERM or SIGINT inside the block ends it as KeyboardInterrupt, so that its clean-up runs."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _place(ns: str, dev: str, addr: str, shape: list[str] | None) -> None:
+    """Move veth end ``dev`` into namespace ``ns`` with ``addr``/24, up (and ``lo``), its egress shaped by ``shape``."""
+    _run("ip", "link", "set", dev, "netns", ns)
+    _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
+    _run("ip", "-n", ns, "link", "set", dev, "up")
+    _run("ip", "-n", ns, "link", "set", "lo", "up")
+    if shape:
+        _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *shape)
+
 
 @contextlib.contextmanager
 def link(prefix: str, subnet: str, rate: str | None = None, tag: str | None = None,
@@ -90,29 +118,18 @@ def link(prefix: str, subnet: str, rate: str | None = None, tag: str | None = No
     net = Link(namespaces=(f"{prefix}-a{tag}", f"{prefix}-b{tag}"),
                devices=(f"{prefix}-va{tag}"[:15], f"{prefix}-vb{tag}"[:15]),  # interface names: 15 chars at most
                addresses=(f"{subnet}.1", f"{subnet}.2"), rate=rate)
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        delete(net.namespaces)  # a run killed with SIGKILL may have left them
-        for ns in net.namespaces:
-            _run("ip", "netns", "add", ns)
-        _run("ip", "link", "add", net.devices[0], "type", "veth", "peer", "name", net.devices[1])
-        for ns, dev, addr in zip(net.namespaces, net.devices, net.addresses):
-            _run("ip", "link", "set", dev, "netns", ns)
-            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            if rate:
-                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", rate, "burst", burst,
-                     "latency", latency)
-        yield net
-    finally:
-        delete(net.namespaces)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    shape = ["tbf", "rate", rate, "burst", burst, "latency", latency] if rate else None
+    with _ended_by_signals():
+        try:
+            delete(net.namespaces)  # a run killed with SIGKILL may have left them
+            for ns in net.namespaces:
+                _run("ip", "netns", "add", ns)
+            _run("ip", "link", "add", net.devices[0], "type", "veth", "peer", "name", net.devices[1])
+            for ns, dev, addr in zip(net.namespaces, net.devices, net.addresses):
+                _place(ns, dev, addr, shape)
+            yield net
+        finally:
+            delete(net.namespaces)
 
 
 @contextlib.contextmanager
@@ -126,35 +143,25 @@ def star(prefix: str, subnet: str, ends: int, rate: str | None = None, tag: str 
                devices=tuple(f"{prefix}{i}i{tag}"[:15] for i in range(ends)),  # interface names: 15 chars at most
                addresses=tuple(f"{subnet}.{i + 1}" for i in range(ends)), rate=rate)
     bridge, ports = f"{prefix}br{tag}"[:15], [f"{prefix}{i}o{tag}"[:15] for i in range(ends)]
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        delete(net.namespaces)
-        subprocess.run(["ip", "link", "del", bridge], stderr=subprocess.DEVNULL)
-        _run("ip", "link", "add", bridge, "type", "bridge")
-        _run("ip", "link", "set", bridge, "up")
-        shape = ["tbf", "rate", str(rate), "burst", burst, "latency", latency]
-        for ns, dev, addr, port in zip(net.namespaces, net.devices, net.addresses, ports):
-            _run("ip", "netns", "add", ns)
-            _run("ip", "link", "add", dev, "type", "veth", "peer", "name", port)
-            _run("ip", "link", "set", dev, "netns", ns)
-            _run("ip", "link", "set", port, "master", bridge)
-            _run("ip", "link", "set", port, "up")
-            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _run("ip", "-n", ns, "link", "set", dev, "up")
-            _run("ip", "-n", ns, "link", "set", "lo", "up")
-            if rate:
-                _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", *shape)
-                _run("tc", "qdisc", "add", "dev", port, "root", *shape)
-        yield net
-    finally:
-        delete(net.namespaces)  # each takes its veth, and so its bridge port, along
-        subprocess.run(["ip", "link", "del", bridge], stderr=subprocess.DEVNULL)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    shape = ["tbf", "rate", rate, "burst", burst, "latency", latency] if rate else None
+    with _ended_by_signals():
+        try:
+            delete(net.namespaces)
+            subprocess.run(["ip", "link", "del", bridge], stderr=subprocess.DEVNULL)
+            _run("ip", "link", "add", bridge, "type", "bridge")
+            _run("ip", "link", "set", bridge, "up")
+            for ns, dev, addr, port in zip(net.namespaces, net.devices, net.addresses, ports):
+                _run("ip", "netns", "add", ns)
+                _run("ip", "link", "add", dev, "type", "veth", "peer", "name", port)
+                _run("ip", "link", "set", port, "master", bridge)
+                _run("ip", "link", "set", port, "up")
+                if shape:  # the bridge port's egress: what this end's NIC receives
+                    _run("tc", "qdisc", "add", "dev", port, "root", *shape)
+                _place(ns, dev, addr, shape)
+            yield net
+        finally:
+            delete(net.namespaces)  # each takes its veth, and so its bridge port, along
+            subprocess.run(["ip", "link", "del", bridge], stderr=subprocess.DEVNULL)
 
 
 def enter(namespace: str) -> None:
@@ -174,11 +181,6 @@ def enter(namespace: str) -> None:
 def regroup_in(namespace: str, device: str, rank: int, world: int) -> None:
     """In a rank of ``run_ranks``: move into ``namespace`` and replace the default (loopback) process group by
     one over ``device`` there, rendezvousing on the old group's store (prefixed)."""
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
-    from ..._torch import default_store
     store = default_store()
     enter(namespace)
     os.environ["GLOO_SOCKET_IFNAME"] = device
