@@ -37,6 +37,8 @@ CONFIGS = {  # name -> (dtype, DDP options, elastic)
     "fp32, PowerSGD, elastic": ("float32", {"powersgd": True}, True),
     "fp32, sharded, AdamW": ("float32", {"sharded": True}, False),
     "fp32, sharded, AdamW, elastic": ("float32", {"sharded": True}, True),
+    "bf16, sharded, reduce_dtype=float32, AdamW": ("bfloat16", {"sharded": True, "reduce_dtype": "float32"}, False),
+    "bf16, sharded, reduce_dtype=float32, AdamW, elastic": ("bfloat16", {"sharded": True, "reduce_dtype": "float32"}, True),
 }
 
 

@@ -65,15 +65,6 @@ def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60
         log.addHandler(handler)
 
 
-def refusals(config: Any, *, delayed: bool) -> list[str]:
-    """What elastic membership cannot recover exactly with this configuration."""
-    found = [
-        ("ShardedDataParallel with reduce_dtype", config.sharded and config.reduce_dtype is not None),
-        ("delay_all_reduce_named_params", delayed),
-    ]
-    return [name for name, present in found if present]
-
-
 def install(replica: Any) -> None:
     """Models built on the default process group from now on follow ``replica``'s generations."""
     process.state.replica = replica
@@ -90,12 +81,6 @@ def on_wrapper(ddp: Any, default_group: bool) -> None:
     if ddp.skip_all_reduce_unused_params:  # a replica that joins has not seen which buckets the others skip
         raise ValueError("gradsync: skip_all_reduce_unused_params=True is not supported with "
                          "gradsync.elastic membership; leave it False")
-    problems = refusals(ddp.reducer.config, delayed=ddp.delayed is not None)
-    if problems:
-        raise ValueError(
-            f"gradsync: elastic membership cannot recover a model built with {', '.join(problems)}: a "
-            "member's window must stay apart from the buckets a failed reduction touched. Build the model "
-            "without it, or pass process_group= explicitly to opt out of elastic membership.")
     if ddp.reducer.store.sharded:  # a member that leaves must not take its shard with it (sharded/regroup.py)
         ddp.reducer.store.mirror_shards()
     wrapper = weakref.ref(ddp)
@@ -124,4 +109,4 @@ def on_window(acc: Any) -> None:
         at_boundary(acc)
 
 
-__all__ = ["init_process_group", "install", "on_accumulator", "on_window", "on_wrapper", "refusals"]
+__all__ = ["init_process_group", "install", "on_accumulator", "on_window", "on_wrapper"]

@@ -11,7 +11,8 @@ When the group changes (``reshard``: the survivors after a death, or the members
 point on every one of them), every member contributes what it holds in the old layout: its shard and the
 one it mirrors (the parameters as the optimizer's masters, the gradient, the optimizer state). Every rank
 takes each shard from its owner, or from its mirror where the owner left, lays the buckets out for the new
-world size and keeps its new shards; the window in flight (the staging buffers) is carried over. A joiner
+world size and keeps its new shards; the window in the staging buffers (a synced backward in flight, or
+``reduce_dtype``'s accumulation) is carried over. A joiner
 contributes nothing. Two neighbours that leave together take a shard with them: that raises.
 """
 from __future__ import annotations
@@ -109,8 +110,10 @@ def reshard(store: Any, group: Any, rank: int, world_size: int, wait: Callable[[
         if b.mirror_shard is not None:
             b.mirror_shard.copy_(grad[slice(*store.shard_range(b, store.mirror_rank))])
         b.shard_zero = False
-        if carried:  # a synced backward in progress: its window goes on in the new layout (copy_in keeps it)
-            b.buffer = store.take(b.numel, b.flat_param.dtype, b.flat_param.device).zero_()
+        # the window goes on in the new layout: a synced backward in progress (copy_in keeps it), or reduce_dtype's
+        # accumulation, which lives in the buffers from the window's first micro-step on
+        if carried or (store.main is not None and window is not None):
+            b.buffer = store.take(b.numel, store.reduce_dtype or b.flat_param.dtype, b.flat_param.device).zero_()
             if window is not None:
                 b.buffer[:min(b.numel, window.numel())].copy_(window[:b.numel])
             store.track(store.staged_nbytes(b))
