@@ -67,16 +67,20 @@ def worker(args: argparse.Namespace) -> None:
     def at(point: str, step: int) -> bool:
         return victim and args.point == point and state["window"] == args.kill_window and state["step"] == step
     net.register_forward_pre_hook(lambda *_: die("forward") if at("forward", 1) else None)
-    if victim and args.point == "during_reductions":
-        all_reduce, calls = dist.all_reduce, []
+    if victim and args.point == "during_reductions":  # after the header and the first bucket's collective
+        calls = []
 
-        def counted(*a, **k):
-            if at("during_reductions", STEPS - 1):
-                calls.append(1)
-                if len(calls) == 3:
-                    die("during_reductions")
-            return all_reduce(*a, **k)
-        dist.all_reduce = counted
+        def counted(collective):
+            def call(*a, **k):
+                if at("during_reductions", STEPS - 1):
+                    calls.append(1)
+                    if len(calls) == 3:
+                        die("during_reductions")
+                return collective(*a, **k)
+            return call
+        dist.all_reduce = counted(dist.all_reduce)
+        if args.sharded:  # on CPU its buckets are exchanged by all-to-all (sharded/comm.py)
+            dist.all_to_all_single = counted(dist.all_to_all_single)
     if victim and args.point == "after_reductions":
         membership = StoreMembership
         commit = membership.commit

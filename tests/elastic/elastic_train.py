@@ -168,17 +168,21 @@ def main() -> None:
     kill_step = "last" if args.kill_step is None else args.kill_step
     net.register_forward_pre_hook(lambda *_: die() if at("forward", kill_step) else None)
     net.register_forward_pre_hook(lambda *_: freeze(args.out) if at("freeze", kill_step) else None)
-    if victim and args.point == "during_reductions":  # after the header and the first bucket's all-reduce
-        all_reduce, calls = torch.distributed.all_reduce, []
+    if victim and args.point == "during_reductions":  # after the header and the first bucket's collective
+        calls = []
 
-        def counted(*a, **k):
-            if at("during_reductions", "last"):
-                calls.append(1)
-                if len(calls) == 3:
-                    time.sleep(args.kill_delay)  # the others have the earlier buckets' results by then
-                    die()
-            return all_reduce(*a, **k)
-        torch.distributed.all_reduce = counted
+        def counted(collective):
+            def call(*a, **k):
+                if at("during_reductions", "last"):
+                    calls.append(1)
+                    if len(calls) == 3:
+                        time.sleep(args.kill_delay)  # the others have the earlier buckets' results by then
+                        die()
+                return collective(*a, **k)
+            return call
+        torch.distributed.all_reduce = counted(torch.distributed.all_reduce)
+        if args.sharded:  # on CPU its buckets are exchanged by all-to-all (sharded/comm.py)
+            torch.distributed.all_to_all_single = counted(torch.distributed.all_to_all_single)
     if victim and args.point in ("after_reductions", "after_commit"):
         membership = gradsync.elastic.membership.StoreMembership
         commit = membership.commit

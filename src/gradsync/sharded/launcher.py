@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from ..engine.control import ControlPlane
 from .comm import start_reduce_scatter
+from .regroup import pass_on
 from .store import ShardedBucket, ShardedBucketStore
 
 
@@ -34,16 +35,18 @@ class ShardedLauncher:
         if traced:
             bucket.times["launch"] = time.perf_counter()
         store = self.store
-        # mirrored (regroup.py): every rank needs two shards of the average, so the bucket is all-reduced, a copy
-        out_numel = bucket.numel if self.exchange or store.mirrored else bucket.shard_numel
-        out_dtype = bucket.grad_shard.dtype if store.mirrored else bucket.buffer.dtype
+        # mirrored (regroup.py): every rank needs two shards of the average; on CPU the all-to-all's fold passes this
+        # rank's on to the rank mirroring it (regroup.pass_on), elsewhere the bucket is all-reduced, a copy
+        all_reduced = store.mirrored and not self.exchange
+        out_numel = bucket.numel if self.exchange or all_reduced else bucket.shard_numel
+        out_dtype = bucket.grad_shard.dtype if all_reduced else bucket.buffer.dtype
         out_bytes = out_numel * out_dtype.itemsize
         budget = self.staging_budget_bytes
         while self.inflight and (len(self.inflight) >= max(1, self.max_inflight) or
                                  (budget is not None and store.staging_bytes + out_bytes > budget)):
             self._fold(self.inflight.popleft(), traced)  # before allocating this bucket's output
         bucket.out = store.take(out_numel, out_dtype, bucket.flat_param.device)
-        if store.mirrored:
+        if all_reduced:
             bucket.handle = dist.all_reduce(bucket.out.copy_(bucket.buffer), group=self.group, async_op=True)
         else:
             bucket.handle = start_reduce_scatter(bucket.buffer, bucket.out, store.world_size, self.group, self.exchange,
@@ -56,7 +59,10 @@ class ShardedLauncher:
         self.plane.wait(bucket.handle, f"bucket {bucket.index}")
         if traced:  # gloo's reduce-scatter has no future: time the wait's end
             bucket.times["done"] = time.perf_counter()
-        self.store.fold(bucket)
+        if self.store.mirrored and self.exchange:
+            bucket.shift = pass_on(self.store, bucket, self.group)  # folded once the mirrored shard is in (result)
+        else:
+            self.store.fold(bucket)
 
     def before_control(self, handles: list) -> None:
         """A reduce-scatter is one collective: the control may follow at once."""
@@ -65,6 +71,10 @@ class ShardedLauncher:
         """Fold every bucket in flight up to ``bucket``; the average is in the shard (no tensor)."""
         while bucket.handle is not None and self.inflight:
             self._fold(self.inflight.popleft(), bool(bucket.times))
+        if bucket.shift is not None:
+            self.plane.wait(bucket.shift, f"bucket {bucket.index}'s mirrored shard")
+            bucket.shift = None
+            self.store.fold(bucket)
         return None
 
     def reset(self) -> None:

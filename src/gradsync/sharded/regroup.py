@@ -1,8 +1,9 @@
 """A sharded model whose members change: each shard kept on two ranks, re-sharded over the new group.
 
 A member that dies must not take its shard of the averaged gradient and of the optimizer state with it.
-After ``mirror_shards()`` rank r also holds shard (r + 1) % W: each bucket is all-reduced (the bytes of a
-reduce-scatter that hands every rank two shards), rank r adds its own shard of the average and the one it
+After ``mirror_shards()`` rank r also holds shard (r + 1) % W: on CPU each bucket's all-to-all is folded as
+without mirroring, and rank r passes its shard of the average on to rank r - 1 (``pass_on``: 1/W of the bucket
+more on the wire); elsewhere each bucket is all-reduced. Rank r adds its own shard of the average and the one it
 mirrors, and ``ShardedOptimizer`` steps both with the same inner optimizer (``ShardedOptimizer.mirror``).
 The price per rank: a second shard of the gradient accumulator, of the optimizer state and of fp32 master
 weights, and twice the optimizer's work.
@@ -24,6 +25,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .comm import fold
+
 
 def mirror_shards(store: Any) -> None:
     """Keep each shard on two ranks from now on (before a ``ShardedOptimizer`` is built on the store)."""
@@ -32,6 +35,21 @@ def mirror_shards(store: Any) -> None:
     store.mirror = True
     for b in store.buckets:
         b.mirror_shard = torch.zeros_like(b.grad_shard) if store.mirrored else None
+
+
+def pass_on(store: Any, bucket: Any, group: Any) -> Any:
+    """On CPU, once ``bucket``'s all-to-all is in (every rank's copy of this rank's shard): sum this rank's average
+    into the first half of a two-shard result and start sending it to the rank that mirrors it; the shard this rank
+    mirrors arrives in the second half. Returns the exchange's work (one collective, the same order everywhere)."""
+    s, w = bucket.shard_numel, store.world_size
+    pair = store.take(2 * s, bucket.grad_shard.dtype, bucket.flat_param.device)
+    fold(pair[:s].zero_(), bucket.out, w, exchange=True, fresh=True)
+    store.track(pair.numel() * pair.element_size() - bucket.out.numel() * bucket.out.element_size())
+    store.pool.give(bucket.out)
+    bucket.out, bucket.handle = pair, None
+    send, receive = [0] * w, [0] * w
+    send[(store.rank - 1) % w], receive[store.mirror_rank] = s, s
+    return dist.all_to_all_single(pair[s:], pair[:s], receive, send, group=group, async_op=True)
 
 
 def held(store: Any) -> dict[str, Any]:
@@ -125,4 +143,4 @@ def reshard(store: Any, group: Any, rank: int, world_size: int, wait: Callable[[
         optimizer.load_state_dict({"state": state["state"], "param_groups": given[0]["options"]})
 
 
-__all__ = ["chosen_shards", "held", "mirror_shards", "reshard"]
+__all__ = ["chosen_shards", "held", "mirror_shards", "pass_on", "reshard"]

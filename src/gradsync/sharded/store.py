@@ -37,6 +37,7 @@ class ShardedBucket(Bucket):
     out: torch.Tensor | None = None  # reduce-scatter output while in flight
     shard_zero: bool = True  # grad_shard is all zeros (nothing folded since zero_grad)
     mirror_shard: torch.Tensor | None = None  # mirror_shards(): the next rank's averaged gradient, accumulated
+    shift: Any = None  # mirrored on CPU: the exchange in flight that brings the mirrored shard's average (pass_on)
 
     @property
     def shard_numel(self) -> int:
@@ -169,10 +170,10 @@ class ShardedBucketStore:
             self.add_to_shard(bucket)
 
     def add_to_shard(self, bucket: ShardedBucket) -> None:
-        if self.mirrored:  # out holds the bucket's sum (an all-reduce): this rank's shard and its mirror's
-            shards = bucket.out.div_(self.world_size).view(self.world_size, -1)
-            bucket.grad_shard.add_(shards[self.rank])
-            bucket.mirror_shard.add_(shards[self.mirror_rank])
+        if self.mirrored:  # this rank's average and its mirror's: pass_on's pair, else the bucket's sum (all-reduced)
+            shards = bucket.out.view(2, -1) if self.exchange else bucket.out.div_(self.world_size).view(self.world_size, -1)
+            bucket.grad_shard.add_(shards[0 if self.exchange else self.rank])
+            bucket.mirror_shard.add_(shards[1 if self.exchange else self.mirror_rank])
         else:
             fold(bucket.grad_shard, bucket.out, self.world_size, self.exchange, bucket.shard_zero)
         bucket.shard_zero = False
@@ -257,7 +258,7 @@ class ShardedBucketStore:
     def reset(self) -> None:
         for b in self.buckets:
             self.track(-self.staged_nbytes(b))
-            b.buffer = b.out = b.handle = None
+            b.buffer = b.out = b.handle = b.shift = None
 
     def release(self) -> None:
         if self.main is not None:
