@@ -71,6 +71,8 @@ class ShardedLauncher:
         """Fold every bucket in flight up to ``bucket``; the average is in the shard (no tensor)."""
         while bucket.handle is not None and self.inflight:
             self._fold(self.inflight.popleft(), bool(bucket.times))
+        while bucket.shift is not None and self.inflight:  # start the later buckets' passes before waiting this one's
+            self._fold(self.inflight.popleft(), bool(bucket.times))
         if bucket.shift is not None:
             self.plane.wait(bucket.shift, f"bucket {bucket.index}'s mirrored shard")
             bucket.shift = None

@@ -43,7 +43,8 @@ def pass_on(store: Any, bucket: Any, group: Any) -> Any:
     mirrors arrives in the second half. Returns the exchange's work (one collective, the same order everywhere)."""
     s, w = bucket.shard_numel, store.world_size
     pair = store.take(2 * s, bucket.grad_shard.dtype, bucket.flat_param.device)
-    fold(pair[:s].zero_(), bucket.out, w, exchange=True, fresh=True)
+    own = pair[:s] if pair.dtype == bucket.out.dtype else pair[:s].zero_()  # else fold adds a wider sum into it
+    fold(own, bucket.out, w, exchange=True, fresh=True)
     store.track(pair.numel() * pair.element_size() - bucket.out.numel() * bucket.out.element_size())
     store.pool.give(bucket.out)
     bucket.out, bucket.handle = pair, None
