@@ -210,6 +210,17 @@ def test_elastic_recovery_quick_run(tmp_path):
     assert len(data["kills"]) == 2 and all(k["latency_s"] < 30 for k in data["kills"])
 
 
+def test_elastic_in_job_quick_run(tmp_path):
+    """benchmarks/elastic/in_job.py: the sharded model built elastic, plain and mirrored in one job, paired."""
+    record = tmp_path / "record.md"
+    record.write_text("# a record\n")
+    done = elastic_script(tmp_path, "elastic/in_job.py", "--rounds", "4", "--warmup", "1", "--append", str(record))
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split(" | ") for line in record.read_text().splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [r[0] for r in rows] == ["| plain", "| elastic", "| mirrored"], record.read_text()
+    assert rows[0][2].startswith("1.000") and all(float(r[1]) > 0 for r in rows)
+
+
 def test_noise_scale_cost_quick_run(tmp_path):
     with bounded():
         load("speed/noise_scale_cost").main(["--reps", "2", "--warmup", "0", "--runs", "1", "--accum", "2",
