@@ -68,7 +68,8 @@ class ShardedLauncher:
         """A reduce-scatter is one collective: the control may follow at once."""
 
     def result(self, bucket: ShardedBucket) -> None:
-        """Fold every bucket in flight up to ``bucket``; the average is in the shard (no tensor)."""
+        """Fold every bucket in flight up to ``bucket`` (mirrored: every one, so that the later passes start before
+        this bucket's is waited); the average is in the shard (no tensor)."""
         while bucket.handle is not None and self.inflight:
             self._fold(self.inflight.popleft(), bool(bucket.times))
         while bucket.shift is not None and self.inflight:  # start the later buckets' passes before waiting this one's
