@@ -75,7 +75,8 @@ class ShardedLauncher:
         while bucket.shift is not None and self.inflight:  # start the later buckets' passes before waiting this one's
             self._fold(self.inflight.popleft(), bool(bucket.times))
         if bucket.shift is not None:
-            self.plane.wait(bucket.shift, f"bucket {bucket.index}'s mirrored shard")
+            for work in bucket.shift:
+                self.plane.wait(work, f"bucket {bucket.index}'s mirrored shard")
             bucket.shift = None
             self.store.fold(bucket)
         return None
