@@ -2,8 +2,8 @@
 
 A member that dies must not take its shard of the averaged gradient and of the optimizer state with it.
 After ``mirror_shards()`` rank r also holds shard (r + 1) % W: on CPU each bucket's all-to-all is folded as
-without mirroring, and rank r passes its shard of the average on to rank r - 1 (``pass_on``: 1/W of the bucket
-more on the wire); elsewhere each bucket is all-reduced. Rank r adds its own shard of the average and the one it
+without mirroring, and rank r sends its shard of the average to rank r - 1 (``pass_on``: 1/W of the bucket
+more on the wire, point to point); elsewhere each bucket is all-reduced. Rank r adds its own shard of the average and the one it
 mirrors, and ``ShardedOptimizer`` steps both with the same inner optimizer (``ShardedOptimizer.mirror``).
 The price per rank: a second shard of the gradient accumulator, of the optimizer state and of fp32 master
 weights, and twice the optimizer's work.
