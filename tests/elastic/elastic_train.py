@@ -17,7 +17,7 @@ import torch
 import gradsync
 
 POINTS = ["forward", "freeze", "local_backward", "before_reductions", "during_reductions", "after_reductions",
-          "after_commit", "optimizer_step", "step_vote", "corrupt", "auto_gather", "none"]
+          "after_commit", "optimizer_step", "step_vote", "mirror_pass", "corrupt", "auto_gather", "none"]
 
 
 def build_model(buffers: bool = False, width: int = 16) -> torch.nn.Module:
@@ -199,6 +199,10 @@ def main() -> None:
     if victim and args.point == "step_vote":  # --sharded: after the step's all-gathers, before its vote
         agree = gradsync.engine.protocol.Attachment.agree
         gradsync.engine.protocol.Attachment.agree = lambda self, what: die() if at("step_vote") else agree(self, what)
+    if victim and args.point == "mirror_pass":  # --sharded: the first bucket's all-to-all is in, its pass not sent
+        import gradsync.sharded.launcher as sharded_launcher
+        pass_on = sharded_launcher.pass_on
+        sharded_launcher.pass_on = lambda *a: die() if at("mirror_pass", "last") else pass_on(*a)
     if args.victim2 == me:  # inside the re-shard that the first death started: the others are gathering
         import gradsync.sharded.regroup as regroup
         held = regroup.held

@@ -159,10 +159,11 @@ def test_drills_with_the_options_a_large_model_runs(tmp_path, option, point, vic
 
 @pytest.mark.parametrize("clip", [False, True])
 @pytest.mark.parametrize("point,victim,window,lost", [("during_reductions", 2, 1, STEPS), ("optimizer_step", 1, 2, 0),
-                                                      ("step_vote", 1, 2, 0)])
+                                                      ("step_vote", 1, 2, 0), ("mirror_pass", 1, 1, STEPS)])
 def test_sharded_adamw_drills_lose_no_shard(tmp_path, point, victim, window, lost, clip):
     """ShardedDataParallel + ShardedOptimizer(AdamW): each shard, gradient and AdamW state, lives on two members
-    (sharded/regroup.py). A replica killed with a bucket in flight costs its window; one killed just before the
+    (sharded/regroup.py). A replica killed with a bucket in flight costs its window (also one killed after its first
+    bucket's all-to-all, before it sends its shard's average to the rank mirroring it); one killed just before the
     step costs nothing (the survivors find it gone in the step's all-gathers, after the commit, and re-shard
     there; with ``clip``, in clip_grad_norm_'s all-reduce, which takes the norm again in the new group). One killed
     after the step's all-gathers, before the step's vote, is found in the vote. The survivors equal one process
