@@ -17,9 +17,10 @@ from helpers import mlp
 WINDOWS, K = 4, 2
 
 
-def train(rank, world_size, mirrored):
+def train(rank, world_size, mirrored, dtype=torch.float32):
     torch.manual_seed(0)
-    model = gradsync.ShardedDataParallel(mlp(seed=1, width=33, depth=4), bucket_cap_mb=0.002, first_bucket_cap_mb=0.001)
+    model = gradsync.ShardedDataParallel(mlp(seed=1, width=33, depth=4, dtype=dtype), bucket_cap_mb=0.002,
+                                         first_bucket_cap_mb=0.001)
     if mirrored:
         model.reducer.store.mirror_shards()
     optimizer = gradsync.ShardedOptimizer(model, torch.optim.AdamW, lr=0.01, weight_decay=0.1)
@@ -29,7 +30,7 @@ def train(rank, world_size, mirrored):
     agree = []
     for _ in range(WINDOWS * K):
         with acc.accumulate():
-            x, y = torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
+            x, y = torch.randn(4, 8, generator=g).to(dtype), torch.randn(4, 4, generator=g).to(dtype)
             acc.backward(F.mse_loss(model(x), y))
         if acc.is_boundary:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
@@ -54,9 +55,11 @@ def mirror_agrees(model, optimizer, rank, world_size):
     return same_state and same_values and same_masters and len(mine["state"]) > 0
 
 
-def test_the_mirror_steps_bit_for_bit_as_its_owner():
-    mirrored = run_ranks(train, 3, True, timeout=90)
-    plain = run_ranks(train, 3, False, timeout=90)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_mirror_steps_bit_for_bit_as_its_owner(dtype):
+    """bf16: the copies of a bf16 bucket are summed in the float32 shard, into this rank's half of the pair."""
+    mirrored = run_ranks(train, 3, True, dtype, timeout=90)
+    plain = run_ranks(train, 3, False, dtype, timeout=90)
     for params, agree in mirrored:
         assert agree == [True] * WINDOWS
         for got, want in zip(params, plain[0][0]):  # on CPU the same all-to-all and fold: the same bits
