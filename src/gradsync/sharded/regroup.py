@@ -3,8 +3,9 @@
 A member that dies must not take its shard of the averaged gradient and of the optimizer state with it.
 After ``mirror_shards()`` rank r also holds shard (r + 1) % W: on CPU each bucket's all-to-all is folded as
 without mirroring, and rank r sends its shard of the average to rank r - 1 (``pass_on``: 1/W of the bucket
-more on the wire, point to point); elsewhere each bucket is all-reduced. Rank r adds its own shard of the average and the one it
-mirrors, and ``ShardedOptimizer`` steps both with the same inner optimizer (``ShardedOptimizer.mirror``).
+more on the wire, point to point); elsewhere each bucket is all-reduced. Rank r adds its own shard of the
+average and the one it mirrors, and ``ShardedOptimizer`` steps both with the same inner optimizer
+(``ShardedOptimizer.mirror``).
 The price per rank: a second shard of the gradient accumulator, of the optimizer state and of fp32 master
 weights, and twice the optimizer's work.
 
@@ -13,8 +14,8 @@ point on every one of them), every member contributes what it holds in the old l
 one it mirrors (the parameters as the optimizer's masters, the gradient, the optimizer state). Every rank
 takes each shard from its owner, or from its mirror where the owner left, lays the buckets out for the new
 world size and keeps its new shards; the window in the staging buffers (a synced backward in flight, or
-``reduce_dtype``'s accumulation) is carried over. A joiner
-contributes nothing. Two neighbours that leave together take a shard with them: that raises.
+``reduce_dtype``'s accumulation) is carried over. A joiner contributes nothing. Two neighbours that leave
+together take a shard with them: that raises.
 """
 from __future__ import annotations
 

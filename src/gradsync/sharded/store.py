@@ -171,7 +171,8 @@ class ShardedBucketStore:
 
     def add_to_shard(self, bucket: ShardedBucket) -> None:
         if self.mirrored:  # this rank's average and its mirror's: pass_on's pair, else the bucket's sum (all-reduced)
-            shards = bucket.out.view(2, -1) if self.exchange else bucket.out.div_(self.world_size).view(self.world_size, -1)
+            w = self.world_size
+            shards = bucket.out.view(2, -1) if self.exchange else bucket.out.div_(w).view(w, -1)
             for shard, average in ((bucket.grad_shard, shards[0 if self.exchange else self.rank]),
                                    (bucket.mirror_shard, shards[1 if self.exchange else self.mirror_rank])):
                 shard.copy_(average) if bucket.shard_zero else shard.add_(average)  # zeroed together (zero_grad)
