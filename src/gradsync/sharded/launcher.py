@@ -13,6 +13,7 @@ from collections import deque
 import torch.distributed as dist
 
 from ..engine.control import ControlPlane
+from ..engine.errors import PeerFailure, SyncError
 from .comm import start_reduce_scatter
 from .regroup import pass_on
 from .store import ShardedBucket, ShardedBucketStore
@@ -60,7 +61,12 @@ class ShardedLauncher:
         if traced:  # gloo's reduce-scatter has no future: time the wait's end
             bucket.times["done"] = time.perf_counter()
         if self.store.mirrored and self.exchange:
-            bucket.shift = pass_on(self.store, bucket, self.group)  # folded once the mirrored shard is in (result)
+            try:  # folded once the mirrored shard is in (result)
+                bucket.shift = pass_on(self.store, bucket, self.group)
+            except (RuntimeError, dist.DistError) as exc:  # a send to a peer that is gone fails as it starts
+                raise (PeerFailure if self.plane.protocol is not None else SyncError)(
+                    f"gradsync: rank {self.store.rank} could not start passing bucket {bucket.index}'s shard of the "
+                    f"average to the rank that mirrors it: {exc}. Likely cause: that rank died.") from exc
         else:
             self.store.fold(bucket)
 
