@@ -95,6 +95,11 @@ def _ended_by_signals() -> Iterator[None]:
             signal.signal(s, handler)
 
 
+def _tbf(rate: str | None, burst: str, latency: str) -> list[str] | None:
+    """The ``tc qdisc add ... root`` arguments that limit an interface's egress to ``rate`` (None: unlimited)."""
+    return ["tbf", "rate", rate, "burst", burst, "latency", latency] if rate else None
+
+
 def _place(ns: str, dev: str, addr: str, shape: list[str] | None) -> None:
     """Move veth end ``dev`` into namespace ``ns`` with ``addr``/24, up (and ``lo``), its egress shaped by ``shape``."""
     _run("ip", "link", "set", dev, "netns", ns)
@@ -118,7 +123,7 @@ def link(prefix: str, subnet: str, rate: str | None = None, tag: str | None = No
     net = Link(namespaces=(f"{prefix}-a{tag}", f"{prefix}-b{tag}"),
                devices=(f"{prefix}-va{tag}"[:15], f"{prefix}-vb{tag}"[:15]),  # interface names: 15 chars at most
                addresses=(f"{subnet}.1", f"{subnet}.2"), rate=rate)
-    shape = ["tbf", "rate", rate, "burst", burst, "latency", latency] if rate else None
+    shape = _tbf(rate, burst, latency)
     with _ended_by_signals():
         try:
             delete(net.namespaces)  # a run killed with SIGKILL may have left them
@@ -143,7 +148,7 @@ def star(prefix: str, subnet: str, ends: int, rate: str | None = None, tag: str 
                devices=tuple(f"{prefix}{i}i{tag}"[:15] for i in range(ends)),  # interface names: 15 chars at most
                addresses=tuple(f"{subnet}.{i + 1}" for i in range(ends)), rate=rate)
     bridge, ports = f"{prefix}br{tag}"[:15], [f"{prefix}{i}o{tag}"[:15] for i in range(ends)]
-    shape = ["tbf", "rate", rate, "burst", burst, "latency", latency] if rate else None
+    shape = _tbf(rate, burst, latency)
     with _ended_by_signals():
         try:
             delete(net.namespaces)
