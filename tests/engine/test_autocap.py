@@ -269,22 +269,37 @@ def test_each_parameters_ready_time_is_its_buckets_median():
     assert param_ready([], layout, 4) is None
 
 
+LINKS: dict = {}  # per process (the ranks are forked): the emulated link's one thread
+
+
 def slow_link(state, bucket):
-    """The default all-reduce on a slow emulated link: its future ends bytes / 1 MB/s after it (about a second per
-    synced backward, so that the link bounds the step even when a loaded machine stretches the backward: at 4 MB/s
-    a backward descheduled for 135 ms under two CPU burners came within 2x of the link's 254 ms)."""
+    """The default all-reduce on a slow emulated link: its future ends bytes / 2 MB/s after the all-reduce and
+    after the bucket before it (about a second per synced backward, so that the link bounds the step even when a
+    loaded machine stretches the backward: at 4 MB/s a backward descheduled for 135 ms under two CPU burners came
+    within 2x of the link's 254 ms). The wait runs on the link's own thread: a callback on an all-reduce that had
+    already finished would run, and sleep, inside the backward (on a fast machine it did: the backward then took
+    as long as the link, and the run did not look link-bound)."""
+    import os
     import time
+    from concurrent.futures import ThreadPoolExecutor
 
     import torch.distributed as dist
+    link = LINKS.setdefault(os.getpid(), ThreadPoolExecutor(max_workers=1))
     buffer = bucket.buffer()
     buffer.div_(dist.get_world_size())
-    seconds = buffer.numel() * buffer.element_size() / 1e6
+    seconds = buffer.numel() * buffer.element_size() / 2e6
+    reduced, done = dist.all_reduce(buffer, async_op=True).get_future(), torch.futures.Future()
 
-    def late(fut):
-        time.sleep(seconds)
-        return fut.value()[0]
+    def carry():
+        try:
+            reduced.wait()
+            time.sleep(seconds)
+            done.set_result(buffer)
+        except BaseException as e:  # noqa: BLE001 - the future carries it to the waiting rank
+            done.set_exception(e)
 
-    return dist.all_reduce(buffer, async_op=True).get_future().then(late)
+    link.submit(carry)
+    return done
 
 
 def auto_on_a_slow_link(rank, world_size, steps):
@@ -302,7 +317,7 @@ def test_a_link_bound_run_chooses_from_the_link_model_on_every_rank():
     first, second = run_ranks(auto_on_a_slow_link, 2, steps, timeout=120)
     assert first == second and first is not None  # every rank chose the same from the same numbers
     link = first["link"]
-    assert link["link_bound"] and 0 < link["gbytes_s"] < 0.05, link  # the emulated 1 MB/s, not loopback's GB/s
+    assert link["link_bound"] and 0 < link["gbytes_s"] < 0.05, link  # the emulated 2 MB/s, not loopback's GB/s
     assert set(link["predicted_ms"]) == set(first["buckets"])
     if first["rule"] == "link model":
         assert first["bucket_cap_mb"] == choose_by_link(link["predicted_ms"])
