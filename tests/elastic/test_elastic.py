@@ -191,7 +191,8 @@ def test_a_death_during_the_re_shard_re_forms_again(tmp_path):
                   "--victim2", "3", replicas=4)
     assert proc.returncode == 0, proc.stderr[-4000:]
     first = agreeing(survivors(tmp_path), [0, 2], proc.stderr)
-    assert [(e["generation"], e["window"], e["left"]) for e in first["events"]] == [(1, 1, [1]), (2, 1, [3])]
+    events = [(e["generation"], e["window"], e["left"]) for e in first["events"]]
+    assert events == [(1, 1, [1]), (2, 1, [3])], proc.stderr[-6000:]  # the membership logs why each re-form began
     for got, ref in zip(first["params"], reference(first["events"], 4, adamw=True)):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
