@@ -68,6 +68,9 @@ def train(rank, world_size, plan, mode, buffers=False, options=None):
     wrap, sync_each_batch, overlap = opts.pop("wrap", "ddp"), opts.pop("sync_each_batch", False), opts.pop("overlap", False)
     hook, compiled = opts.pop("hook", None), opts.pop("compile", False)
     net = Faulty(buffers)
+    spare = opts.pop("spare", False)
+    if spare:  # a parameter no rank uses, larger than a bucket: skip_all_reduce_unused_params skips its bucket
+        net.register_parameter("spare", nn.Parameter(torch.zeros(300)))
     if opts.pop("delay", False):  # lin3's all-reduce runs after the backward, outside the buckets
         opts["delay_all_reduce_named_params"] = [(n, p) for n, p in net.named_parameters() if n.startswith("lin3")]
         opts["param_to_hook_all_reduce"] = net.lin1.weight  # its gradient comes last: the delayed one starts there
@@ -99,6 +102,10 @@ def train(rank, world_size, plan, mode, buffers=False, options=None):
         if acc.is_boundary:
             skipped.append(list(acc.skipped))
             empty.append(acc.window_empty)
+    if spare:  # the last synced backward launched no collective for the spare's bucket, which never stepped
+        assert model.reducer.skips.reduced == len(model.reducer.buckets) - 1, model.reducer.skips.reduced
+        assert torch.equal(net.spare, torch.zeros(300))
+        del net.spare
     return params(net), skipped, empty
 
 
@@ -206,7 +213,8 @@ def test_every_rank_skipping_a_window_steps_nothing_and_warns(mode):
 SYNCED = {key: f for key, f in MIXED.items() if f != "backward"}  # no backward fails while it syncs
 
 
-@pytest.mark.parametrize("how", ["sync_each_batch", "sharded", "reduce_dtype", "find_unused_parameters", "views",
+@pytest.mark.parametrize("how", ["sync_each_batch", "sharded", "reduce_dtype", "find_unused_parameters",
+                                 "skip_all_reduce_unused_params", "views",
                                  "static_graph", "overlap_optimizer", "auto", "bf16_hook",
                                  "delay_all_reduce_named_params", "deterministic", "torch_compile", "powersgd"])
 def test_skips_combine_with_other_modes(how):
@@ -216,11 +224,16 @@ def test_skips_combine_with_other_modes(how):
             "delay_all_reduce_named_params": dict(delay=True), "deterministic": dict(deterministic=True),
             "torch_compile": dict(compile=True), "powersgd": dict(hook="powersgd"),
             "reduce_dtype": dict(reduce_dtype=torch.float32), "views": dict(gradient_as_bucket_view=True),
-            "find_unused_parameters": dict(find_unused_parameters=True)}[how]
+            "find_unused_parameters": dict(find_unused_parameters=True),
+            "skip_all_reduce_unused_params": SKIP_UNUSED}[how]
     plan = {key: f for key, f in (SYNCED if how == "sync_each_batch" else MIXED).items() if key[2] < 2}
     # the bf16 hook rounds each reduced bucket to bf16 on the wire; PowerSGD's rank-1 windows only train alike
     bf16 = {"bf16_hook": 5e-3, "powersgd": 0.05}.get(how)
     check(run_ranks_for(train, 2, plan, "items", False, opts), plan, "items", 2, atol=bf16)
+
+
+SKIP_UNUSED = dict(find_unused_parameters=True, skip_all_reduce_unused_params=True, spare=True,
+                   bucket_cap_mb=5e-4, first_bucket_cap_mb=5e-4)  # the spare in a bucket of its own
 
 
 # a backward failing part-way in the window's synced micro-step: every rank reduces again without its window
@@ -235,7 +248,7 @@ SYNC_FAILS = {(0, 2, 0): "backward", (1, 2, 1): "backward", (1, 0, 0): "nan", (2
     (2, "items", {"overlap": True, "gradient_as_bucket_view": True}), (3, "mean", {"find_unused_parameters": True}),
     (2, "items", {"bucket_cap_mb": "auto"}), (3, "mean", {"hook": gradsync.bf16_compress_hook}),
     (3, "items", {"delay": True}), (3, "mean", {"deterministic": True}), (2, "mean", {"compile": True}),
-    (2, "mean", {"wrap": "sharded"}), (3, "items", {"wrap": "sharded"}),
+    (2, "mean", {"wrap": "sharded"}), (3, "items", {"wrap": "sharded"}), (3, "mean", SKIP_UNUSED),
     (2, "items", {"wrap": "sharded", "reduce_dtype": torch.float32})])
 def test_a_backward_failing_while_it_syncs_is_reduced_again_without_its_window(world_size, mode, options):
     """With gradient views or reduce_dtype the window lives in the buckets: skip_on makes each bucket reduce

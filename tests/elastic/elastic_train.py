@@ -20,13 +20,17 @@ POINTS = ["forward", "freeze", "local_backward", "before_reductions", "during_re
           "after_commit", "optimizer_step", "step_vote", "mirror_pass", "corrupt", "auto_gather", "none"]
 
 
-def build_model(buffers: bool = False, width: int = 16) -> torch.nn.Module:
+def build_model(buffers: bool = False, width: int = 16, spare: bool = False) -> torch.nn.Module:
     """With ``buffers``, a BatchNorm: every training forward broadcasts rank 0's running statistics. A
-    ``width`` of 512 makes a 1 MiB weight: bucket_cap_mb="auto" then has two layouts to time."""
+    ``width`` of 512 makes a 1 MiB weight: bucket_cap_mb="auto" then has two layouts to time. With ``spare``, a
+    parameter that the forward never uses (its bucket is the one skip_all_reduce_unused_params skips)."""
     torch.manual_seed(0)
     middle = torch.nn.BatchNorm1d(width) if buffers else torch.nn.Identity()
-    return torch.nn.Sequential(torch.nn.Linear(8, width), middle, torch.nn.Tanh(), torch.nn.Linear(width, width),
-                               torch.nn.Tanh(), torch.nn.Linear(width, 4))
+    net = torch.nn.Sequential(torch.nn.Linear(8, width), middle, torch.nn.Tanh(), torch.nn.Linear(width, width),
+                              torch.nn.Tanh(), torch.nn.Linear(width, 4))
+    if spare:
+        net.register_parameter("spare", torch.nn.Parameter(torch.randn(4)))
+    return net
 
 
 def micro_batch(replica: int, window: int, step: int, items: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,6 +122,7 @@ def main() -> None:
     parser.add_argument("--clip", action="store_true", help="clip_grad_norm_(model.parameters(), CLIP) before each step "
                         "(after the optimizer_step point: a kill there is found in its all-reduce)")
     parser.add_argument("--delay", action="store_true", help="delay_all_reduce_named_params: the last layer's")
+    parser.add_argument("--spare", action="store_true", help="a parameter the forward never uses")
     parser.add_argument("--ddp", action="append", default=[], help="a DDP option as NAME=VALUE (Python literal), "
                         "e.g. gradient_as_bucket_view=True, bucket_cap_mb='auto'")
     args = parser.parse_args()
@@ -132,7 +137,7 @@ def main() -> None:
     if "GRADSYNC_REPLICA_ID" not in os.environ:  # a record of every start, for the launcher drills
         open(os.path.join(args.out, f"start-{where}-{os.getpid()}"), "w").close()
 
-    net = build_model(args.buffers, args.width).to(device, torch.bfloat16 if args.bf16 else torch.float32)
+    net = build_model(args.buffers, args.width, args.spare).to(device, torch.bfloat16 if args.bf16 else torch.float32)
     # one bucket per parameter: a kill between two buckets' all-reduces is a real point
     check = {"": False, "1": True}.get(args.check_replicas, args.check_replicas)
     options = dict(bucket_cap_mb=1e-6, first_bucket_cap_mb=1e-6, check_replicas=check)
@@ -266,6 +271,7 @@ def main() -> None:
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
     torch.save({"params": [p.detach().cpu().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
                 "bucket_choice": model.bucket_choice, "buckets": model.reducer.bucket_plan(),
+                "buckets_reduced": model.reducer.skips.reduced,
                 "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
                 "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict()}, os.path.join(args.out, f"{me}.pt"))
 

@@ -37,9 +37,10 @@ def launch(tmp_path: Path, *script_args: str, replicas: int = 3, min_replicas: i
 
 def reference(events: list[dict], replicas: int, *, items: bool = False, steps: int = STEPS,
               buffers: bool = False, windows: int = WINDOWS, initial: int | None = None,
-              bf16: bool = False, width: int = 16, adamw: bool = False, clip: bool = False) -> list[torch.Tensor]:
+              bf16: bool = False, width: int = 16, adamw: bool = False, clip: bool = False,
+              spare: bool = False) -> list[torch.Tensor]:
     """One process trained on what was kept: replica r's micro-steps up to the window it left in."""
-    net = build_model(buffers, width)
+    net = build_model(buffers, width, spare)
     if bf16:
         return bf16_reference(events, replicas, net.bfloat16(), steps, adamw=adamw, windows=windows)
     optimizer = torch.optim.AdamW(net.parameters(), **ADAMW) if adamw else make_optimizer(net.parameters())
@@ -114,7 +115,8 @@ def agreeing(results: dict[int, dict], expected: list[int], log: str = "") -> di
 
 def check_run(tmp_path: Path, proc: subprocess.CompletedProcess, *, victim: int | None, window: int,
               items: bool = False, steps: int = STEPS, buffers: bool = False, bf16: bool = False,
-              lost: int | None = None, adamw: bool = False, clip: bool = False, width: int = 16) -> dict[int, dict]:
+              lost: int | None = None, adamw: bool = False, clip: bool = False, width: int = 16,
+              spare: bool = False) -> dict[int, dict]:
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = survivors(tmp_path)
     first = agreeing(results, sorted({0, 1, 2} - {victim}), proc.stderr)
@@ -125,7 +127,8 @@ def check_run(tmp_path: Path, proc: subprocess.CompletedProcess, *, victim: int 
         assert [(e["generation"], e["window"], e["left"], e["joined"], e["micro_steps_lost"]) for e in events] \
             == [(1, window, [victim], [], steps if lost is None else lost)]
         assert events[0]["seconds"] < 30
-    want = reference(events, 3, items=items, steps=steps, buffers=buffers, bf16=bf16, adamw=adamw, clip=clip, width=width)
+    want = reference(events, 3, items=items, steps=steps, buffers=buffers, bf16=bf16, adamw=adamw, clip=clip, width=width,
+                     spare=spare)
     for got, ref in zip(first["params"], want):  # bf16: a float32 sum of 3 ranks may round apart by one ulp
         torch.testing.assert_close(got, ref, atol=1e-3 if bf16 else 1e-5, rtol=2 ** -7 if bf16 else 0)
     return results
@@ -144,8 +147,10 @@ def test_kill_after_the_commit_keeps_the_window_of_the_dead_replica(tmp_path, po
     check_run(tmp_path, proc, victim=1, window=2)
 
 
+# a parameter no replica uses, in a bucket of its own that no replica all-reduces from the second synced backward on
+SKIP_UNUSED = ["--spare", "--ddp", "find_unused_parameters=True", "--ddp", "skip_all_reduce_unused_params=True"]
 OPTIONS = {"views": ["--ddp", "gradient_as_bucket_view=True"], "bf16": ["--bf16"], "static": ["--ddp", "static_graph=True"],
-           "unused": ["--ddp", "find_unused_parameters=True"], "delay": ["--delay"]}
+           "unused": ["--ddp", "find_unused_parameters=True"], "delay": ["--delay"], "skip_unused": SKIP_UNUSED}
 
 
 @pytest.mark.parametrize("option", sorted(OPTIONS))
@@ -154,7 +159,9 @@ def test_drills_with_the_options_a_large_model_runs(tmp_path, option, point, vic
     """A bucket in flight, or just before the step, with gradient views (the window lives in the buckets) or
     bf16 parameters with reduce_dtype=torch.float32 (it lives in the float32 slots): each bucket reduces a copy."""
     proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, *OPTIONS[option])
-    check_run(tmp_path, proc, victim=victim, window=window, bf16=option == "bf16")
+    results = check_run(tmp_path, proc, victim=victim, window=window, bf16=option == "bf16", spare=option == "skip_unused")
+    if option == "skip_unused":  # the spare's bucket was skipped, and the spare never stepped
+        assert all(r["buckets_reduced"] == len(r["buckets"]) - 1 for r in results.values())
 
 
 @pytest.mark.parametrize("clip", [False, True])
@@ -393,6 +400,24 @@ def test_a_restarted_replica_joins_at_a_window_boundary(tmp_path):
     want = reference(first["events"], 3, windows=first["windows"])
     for got, ref in zip(first["params"], want):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
+def test_a_replica_that_rejoins_skips_the_buckets_the_members_skip(tmp_path):
+    """skip_all_reduce_unused_params=True: the members skip the bucket no member used in the last synced backward;
+    a replica that joins takes that set with their state, so it launches the same collectives (without it, its
+    first synced backward would all-reduce a bucket the members skip). All three end bit-identical, equal to one
+    process on what was kept, the unused parameter as it was built."""
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "during_reductions", "--sleep", "0.1",
+                  "--until-full", "3", *SKIP_UNUSED, max_restarts=1, windows=12)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = survivors(tmp_path)
+    first = agreeing(results, [0, 1, 2], proc.stderr)
+    assert [(e["left"], e["joined"]) for e in first["events"]] == [([2], []), ([], [2])]
+    assert all(r["buckets_reduced"] == len(r["buckets"]) - 1 for r in results.values())
+    want = reference(first["events"], 3, windows=first["windows"], spare=True)
+    for got, ref in zip(first["params"], want):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(first["params"][0], build_model(spare=True).spare, atol=0, rtol=0)
 
 
 REFUSALS = """
@@ -677,4 +702,4 @@ def test_kills_outside_the_reduction_with_every_option(tmp_path, option, point):
     proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", point, "--kill-step", "0",
                   *(OPTIONS[option] if extra is None else extra), timeout=400 if option == "compile" else 150.0)
     check_run(tmp_path, proc, victim=2, window=1, bf16=option == "bf16", adamw=option == "sharded",
-              width=512 if option == "auto" else 16)
+              width=512 if option == "auto" else 16, spare=option == "skip_unused")

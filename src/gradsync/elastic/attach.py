@@ -78,9 +78,6 @@ def on_wrapper(ddp: Any, default_group: bool) -> None:
     replica = process.state.replica
     if replica is None or not default_group:
         return
-    if ddp.skip_all_reduce_unused_params:  # a replica that joins has not seen which buckets the others skip
-        raise ValueError("gradsync: skip_all_reduce_unused_params=True is not supported with "
-                         "gradsync.elastic membership; leave it False")
     if ddp.reducer.store.sharded:  # a member that leaves must not take its shard with it (sharded/regroup.py)
         ddp.reducer.store.mirror_shards()
     wrapper = weakref.ref(ddp)

@@ -142,12 +142,15 @@ class Attachment:
         self.reducer.pending_forwards = 0
 
     def layout_state(self) -> dict:
-        """The bucket caps in use and ``bucket_cap_mb="auto"``'s progress: a replica that joins lays out the same."""
-        auto = self.reducer.auto_caps
-        return {"caps": self.reducer.store.caps, "auto": auto.state() if auto is not None else None}
+        """The bucket caps in use, ``bucket_cap_mb="auto"``'s progress and the parameters no member used in the last
+        synced backward (``skip_all_reduce_unused_params``): a replica that joins lays out, and skips, the same."""
+        r, auto = self.reducer, self.reducer.auto_caps
+        unused = None if r.skips.unused is None else sorted(r.skips.unused)
+        return {"caps": r.store.caps, "auto": auto.state() if auto is not None else None, "unused": unused}
 
     def load_layout(self, state: dict) -> None:
         r = self.reducer
+        r.skips.unused = None if state.get("unused") is None else frozenset(state["unused"])
         if r.auto_caps is not None and state["auto"] is not None:
             r.auto_caps.load_state(state["auto"])
         if r.store.replans:  # a sharded store keeps the layout it was built with, the same on every member

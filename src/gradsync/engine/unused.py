@@ -17,6 +17,8 @@ whenever torch's contract holds. A skipped bucket's parameters keep their ``.gra
 stays None), as in torch. ``_get_ddp_logging_data()["num_buckets_reduced"]`` counts the buckets the
 latest synced backward reduced, as torch's does. Skipping is off inside ``model.join()`` (a joined
 rank shadows every bucket) and with ``overlap_optimizer`` (buckets are written back before the control).
+Under ``gradsync.elastic`` the survivors of a failure reduce the window again with the same plan, and a
+replica that joins takes the members' unused set with their state (``Attachment.layout_state``).
 """
 from __future__ import annotations
 
