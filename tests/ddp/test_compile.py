@@ -21,6 +21,9 @@ TorchDDP = nn.parallel.DistributedDataParallel
 # without compiling C++ (tens of seconds per graph on this CPU); inductor runs in one case.
 BACKEND = "aot_eager"
 SMALL = dict(bucket_cap_mb=0.001)  # several buckets, and a graph split per bucket under compile
+# each rank compiles before its first collective: on a loaded machine one may finish long after the other, and the
+# process group's default 20 s would end the wait (as it did in test_skips.py's compiled drill); a hang still fails
+COMPILING = 120.0
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -102,7 +105,7 @@ def _for_torch(opts):
 
 
 def check_forms(case):
-    results = run_ranks(forms, 2, case, timeout=120)
+    results = run_ranks(forms, 2, case, timeout=120, pg_timeout=COMPILING)
     for out in results:
         for history in out.values():
             for got, want in zip(history, out["eager", "gradsync"]):
@@ -156,7 +159,7 @@ def test_no_recompiles_across_micro_steps_and_windows():
     want = run_ranks(micro_steps, 2, "eager", "no_sync")[0][3]
     for form in ("outer", "inner"):
         for how in ("no_sync", "accumulator"):
-            results = run_ranks(micro_steps, 2, form, how, timeout=120)
+            results = run_ranks(micro_steps, 2, form, how, timeout=120, pg_timeout=COMPILING)
             for graphs, recompiles, syncs, weights in results:
                 assert graphs[0] > 0 and graphs == graphs[:1] * 3 and not recompiles, (form, how, graphs)
                 assert syncs == 3, (form, how)  # one reduction per window, not one per micro-step
@@ -202,7 +205,7 @@ def test_compiled_autograd_and_inductor_match_eager():
     want = run_ranks(windows_eager, 2)[0]
     for wrap, autograd, backend in ((gradsync.DDP, True, BACKEND), (TorchDDP, True, BACKEND),
                                     (gradsync.DDP, False, "inductor")):
-        for history, captures, compiled in run_ranks(compiled_step, 2, wrap, autograd, backend, timeout=120):
+        for history, captures, compiled in run_ranks(compiled_step, 2, wrap, autograd, backend, timeout=120, pg_timeout=COMPILING):
             assert captures >= autograd, (wrap, backend)
             assert not compiled, (wrap, backend, compiled)
             for got, ref in zip(history, want, strict=True):
@@ -247,9 +250,9 @@ def overlap(rank, world_size, form, optimize_ddp):
 
 def test_first_bucket_launches_before_half_the_compiled_backward():
     for form in ("outer", "inner"):
-        for shares, n_buckets in run_ranks(overlap, 2, form, True, timeout=120):
+        for shares, n_buckets in run_ranks(overlap, 2, form, True, timeout=120, pg_timeout=COMPILING):
             assert n_buckets >= 8 and sorted(shares)[1] < 0.5, (form, shares)
-    for shares, _ in run_ranks(overlap, 2, "outer", False, timeout=120):  # no split: all at the end
+    for shares, _ in run_ranks(overlap, 2, "outer", False, timeout=120, pg_timeout=COMPILING):  # no split: all at the end
         assert sorted(shares)[1] > 0.5, shares
 
 
@@ -296,7 +299,7 @@ def auto_under_compile(rank, world_size):
 
 
 def test_auto_cap_under_compile_keeps_graph_splits_in_step():
-    for seen, choice, final in run_ranks(auto_under_compile, 2, timeout=300):
+    for seen, choice, final in run_ranks(auto_under_compile, 2, timeout=300, pg_timeout=COMPILING):
         assert choice is not None
         assert all(split == used for split, used in seen), seen
         assert len({used for _, used in seen}) > 1  # "auto" tried several caps, and the splits followed
