@@ -139,6 +139,7 @@ class Counters:
 
 class ControlPlane:
     headers = True  # False only to measure what the headers cost (benchmarks)
+    failure = property(lambda self: SyncError if self.protocol is None else PeerFailure)  # a protocol re-forms on it
 
     def __init__(self, group: dist.ProcessGroup, *, rank: int, world_size: int, device: torch.device,
                  timeout: timedelta, counters: Counters, data_device: torch.device | None = None):
@@ -268,8 +269,7 @@ class ControlPlane:
             else:
                 bounded_wait(handle, self.timeout)
         except Exception as exc:
-            # with a commit protocol the reducer re-forms on a PeerFailure; without, it is a SyncError
-            raise (SyncError if self.protocol is None else PeerFailure)(
+            raise self.failure(
                 f"gradsync: rank {self.rank} waited for {what} of synced backward {self.counters.sync} "
                 f"(backward {self.counters.backward} on this rank) and it failed or did not finish within "
                 f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died, raised, "

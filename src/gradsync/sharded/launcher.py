@@ -13,7 +13,6 @@ from collections import deque
 import torch.distributed as dist
 
 from ..engine.control import ControlPlane
-from ..engine.errors import PeerFailure, SyncError
 from .comm import start_reduce_scatter
 from .regroup import pass_on
 from .store import ShardedBucket, ShardedBucketStore
@@ -64,7 +63,7 @@ class ShardedLauncher:
             try:  # folded once the mirrored shard is in (result)
                 bucket.shift = pass_on(self.store, bucket, self.group)
             except (RuntimeError, dist.DistError) as exc:  # a send to a peer that is gone fails as it starts
-                raise (PeerFailure if self.plane.protocol is not None else SyncError)(
+                raise self.plane.failure(
                     f"gradsync: rank {self.store.rank} could not start passing bucket {bucket.index}'s shard of the "
                     f"average to the rank that mirrors it: {exc}. Likely cause: that rank died.") from exc
         else:
@@ -76,9 +75,8 @@ class ShardedLauncher:
     def result(self, bucket: ShardedBucket) -> None:
         """Fold every bucket in flight up to ``bucket`` (mirrored: every one, so that the later passes start before
         this bucket's is waited); the average is in the shard (no tensor)."""
-        while bucket.handle is not None and self.inflight:
-            self._fold(self.inflight.popleft(), bool(bucket.times))
-        while bucket.shift is not None and self.inflight:  # start the later buckets' passes before waiting this one's
+        # until this bucket is folded; mirrored, on until every later bucket's pass started before this one's is waited
+        while (bucket.handle is not None or bucket.shift is not None) and self.inflight:
             self._fold(self.inflight.popleft(), bool(bucket.times))
         if bucket.shift is not None:
             for work in bucket.shift:

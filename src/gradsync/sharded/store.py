@@ -173,8 +173,8 @@ class ShardedBucketStore:
         if self.mirrored:  # this rank's average and its mirror's: pass_on's pair, else the bucket's sum (all-reduced)
             w = self.world_size
             shards = bucket.out.view(2, -1) if self.exchange else bucket.out.div_(w).view(w, -1)
-            for shard, average in ((bucket.grad_shard, shards[0 if self.exchange else self.rank]),
-                                   (bucket.mirror_shard, shards[1 if self.exchange else self.mirror_rank])):
+            own, mirror = (0, 1) if self.exchange else (self.rank, self.mirror_rank)
+            for shard, average in ((bucket.grad_shard, shards[own]), (bucket.mirror_shard, shards[mirror])):
                 shard.copy_(average) if bucket.shard_zero else shard.add_(average)  # zeroed together (zero_grad)
         else:
             fold(bucket.grad_shard, bucket.out, self.world_size, self.exchange, bucket.shard_zero)
