@@ -250,3 +250,28 @@ def unrelated_closure_ddp(rank, world_size):
 def test_a_ddp_models_guard_leaves_other_optimizers_closures_alone():
     for unrelated_untouched, own_checked in run_ranks(unrelated_closure_ddp, 2):
         assert unrelated_untouched and own_checked
+
+
+def regrouped(rank, world_size):
+    """The optimizer's parameter list is replaced by a new list of the same length, which CPython may put where
+    the old one was: the guard must see the new parameters, not what it remembered of the old list."""
+    model = gradsync.DDP(mlp())
+    outside = torch.nn.Parameter(torch.zeros(3))
+    opt = torch.optim.SGD([outside], lr=0.1)
+    outside.grad = torch.ones(3)
+    x, y = [shard(t, rank, world_size) for t in batches(1, world_size)[0]]
+    with model.no_sync():
+        _loss(model, x, y).backward()
+    opt.step()  # the outside parameter only: no unsynchronized gradient
+    group, (unsynced, *_) = opt.param_groups[0], list(model.parameters())
+    held, old = [], id(group["params"])
+    del group["params"]
+    while len(held) < 1000 and id(new := [unsynced]) != old:  # CPython's list free list gives it at once, unless
+        held.append(new)  # the old list is still alive (the guard holding it is what keeps its address unique)
+    group["params"] = new
+    with pytest.raises(RuntimeError, match=UNSYNCED):
+        opt.step()
+
+
+def test_a_replaced_parameter_list_at_the_same_address_is_checked_again():
+    run_ranks(regrouped, 2)

@@ -90,12 +90,14 @@ def _ids_of(reducer: Any) -> frozenset:
 def _entry(optimizer: torch.optim.Optimizer) -> list:
     """[signature, parameter ids, version, exclusive reducers touched, touched by a known reducer], cached."""
     groups = optimizer.param_groups
-    signature = tuple((id(g["params"]), len(g["params"])) for g in groups)
+    # the lists themselves, held: an id alone matches a new list CPython puts where a freed one was
+    signature = [(g["params"], len(g["params"])) for g in groups]
     try:
         entry = state.guard_cache.get(optimizer)
     except TypeError:  # not weak-referenceable: no cache
         entry = None
-    if entry is None or entry[0] != signature:
+    if entry is None or len(entry[0]) != len(signature) or not all(
+            a is b and m == n for (a, m), (b, n) in zip(entry[0], signature)):
         entry = [signature, frozenset(id(p) for g in groups for p in g["params"]), -1, (), False]
         try:
             state.guard_cache[optimizer] = entry
