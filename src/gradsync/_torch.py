@@ -44,6 +44,11 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     _engine.queue_callback(callback)
 
 
+def post_accumulate_hooks(param: torch.Tensor) -> Any:
+    """``param``'s ordered dict of post-accumulate-grad hooks: a hook taken out and put back costs two dict operations."""
+    return param._post_accumulate_grad_hooks
+
+
 def in_compiled_autograd() -> bool:
     """True while compiled autograd runs a backward (its engine skips queued callbacks)."""
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
@@ -228,14 +233,12 @@ def foreach_mul_(tensors: list[torch.Tensor], factor: Any) -> None:
 
 
 def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    """``dst[k].copy_(src[k])`` for every k in one call (a bucket's write-back: one Python call, not
-    one per parameter). Without it: the same copies one by one, slower on models of many parameters."""
+    """``dst[k].copy_(src[k])`` for every k in one call (a bucket's write-back), not a Python call per parameter."""
     torch._foreach_copy_(dst, src)
 
 
 def foreach_div_(tensors: list[torch.Tensor], divisor: int) -> None:
-    """``t.div_(divisor)`` for every tensor in one call (a bucket's small gradient slots, divided
-    together). Without it: the same divisions one by one."""
+    """``t.div_(divisor)`` for every tensor in one call (a bucket's small gradient slots), not one by one."""
     torch._foreach_div_(tensors, divisor)
 
 
@@ -245,8 +248,7 @@ def storage_base(t: torch.Tensor) -> torch.Tensor:
 
 
 def stamp(t: torch.Tensor) -> tuple[Any, int]:
-    """A mark of ``t`` as it is now: ``unchanged(mark, x)`` tells whether ``x`` is still ``t``, not modified in
-    place since (a ``.grad`` we wrote, against one the user replaced or zeroed)."""
+    """A mark of ``t``: ``unchanged(mark, x)``: ``x`` is still ``t``, not modified in place since (replaced or zeroed)."""
     return weakref.ref(t), t._version
 
 
@@ -268,7 +270,7 @@ __all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "modu
            "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
-           "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
+           "post_accumulate_hooks", "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
            "storage_base", "torch_function_disabled", "torch_function_stack", "version"]
 
 

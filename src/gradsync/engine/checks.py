@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from itertools import repeat
+from operator import attrgetter, is_
 
 import torch
+
+_NEEDS_GRAD, _LAYOUT, _DTYPE, _SHAPE = map(attrgetter, ("requires_grad", "layout", "dtype", "shape"))
 
 
 def is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
@@ -31,6 +35,13 @@ def check_grad(grad: torch.Tensor, view: torch.Tensor, name: str) -> None:
                            f"expected {tuple(view.shape)}")
 
 
+def fit(grads: Sequence[torch.Tensor], views: Sequence[torch.Tensor]) -> bool:
+    """Each of ``grads`` goes into its view as it is (no history, dense, the view's dtype and shape), checked in C
+    loops: a Python call per gradient was most of what taking a window's first gradients into the views cost."""
+    return (not any(map(_NEEDS_GRAD, grads)) and all(map(is_, map(_LAYOUT, grads), repeat(torch.strided)))
+            and list(map(_DTYPE, grads)) == list(map(_DTYPE, views)) and list(map(_SHAPE, grads)) == list(map(_SHAPE, views)))
+
+
 def check_finite(results: Sequence[torch.Tensor], members: Sequence[Sequence[int]],
                  params: Sequence[torch.Tensor], names: Sequence[str]) -> None:
     """Raise naming the parameters whose reduced gradient holds NaN or inf (one check per bucket)."""
@@ -46,4 +57,4 @@ def check_finite(results: Sequence[torch.Tensor], members: Sequence[Sequence[int
         "lower the learning rate / use loss scaling.")
 
 
-__all__ = ["check_finite", "check_grad", "is_view_of", "warn_create_graph"]
+__all__ = ["check_finite", "check_grad", "fit", "is_view_of", "warn_create_graph"]

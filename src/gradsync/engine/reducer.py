@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import messages, telemetry
+from . import messages, quiet, telemetry
 from .._torch import in_compiled_autograd, queue_end_of_backward
 from .autocap import AutoCaps
 from .config import ReducerConfig
@@ -54,14 +54,11 @@ class Reducer:
         self.store = store or BucketStore(self.params, self.names, world_size=self.world_size, caps=config.caps,
                                           reduce_dtype=config.reduce_dtype, gradient_as_bucket_view=config.gradient_as_bucket_view)
         self.launcher = launcher(self.plane) if launcher else BucketLauncher(process_group, self.plane, self.params)
-        self.it = IterationState()
-        self.trace: list[dict] | None = None  # [] records a timeline per synced backward (enable_trace)
+        self.it, self.trace = IterationState(), None  # trace: [] records a timeline per synced backward (enable_trace)
         self.bucket_reduced, self.window_apart = None, False  # overlap_optimizer's step per bucket; keep_window_apart
         self.index_of = {id(p): i for i, p in enumerate(self.params)}
-        self.window_used = [False] * len(self.params)  # used locally since the last synced backward
-        self.unsynced = False  # local gradients are waiting for a synced backward (ddp/guard.py reads it)
-        self.failed_ranks: list[int] = []  # ranks whose latest synced backward failed part-way (replay.py)
-        self.attached: Any = None  # a commit protocol's Attachment (protocol.attach), set by a feature
+        self.window_used, self.unsynced = [False] * len(self.params), False  # used since the last sync; guard.py reads both
+        self.failed_ranks, self.attached = [], None  # whose last synced backward failed (replay.py); protocol.attach's
         self.last_report, self.measure_norm, self.local_norms = None, False, None  # SyncReport; {rank: local norm^2}
         self.stragglers = telemetry.Stragglers() if config.straggler_warning else None
         self.plane.replicas = ReplicaCheck(self.store, self.names, config.check_replicas) if config.check_replicas else None
@@ -73,6 +70,7 @@ class Reducer:
         self.layout.auto = self.auto_caps = AutoCaps(config.user_first_bucket_cap_mb, self) if config.auto_bucket_cap else None
         me = weakref.ref(self)  # the hooks hold the reducer weakly: parameters outlive a deleted wrapper
         self.handles = [p.register_post_accumulate_grad_hook(_hook(me, i)) for i, p in enumerate(self.params)]
+        self.quiet = quiet.QuietHooks(self.params, self.handles)
 
     buckets = property(lambda self: self.store.buckets)
     sync_count = property(lambda self: self.counters.sync)
@@ -85,11 +83,7 @@ class Reducer:
     def on_bucket_reduced(self, callback: Callable[[list[int]], None] | None) -> None:  # overlap.py
         self.bucket_reduced = callback  # each bucket is written back as soon as reduced, then callback(members)
 
-    def enable_trace(self, on: bool = True) -> list[dict] | None:  # on=False: stop recording
-        self.trace = ([] if self.trace is None else self.trace) if on else None
-        if on and self.auto_caps is not None:  # "auto" traces while it chooses: keep tracing after
-            self.auto_caps.keep_trace()
-        return self.trace
+    enable_trace = telemetry.enable_trace  # (on=True) -> the timeline list; on=False stops recording
 
     def set_static_graph(self) -> None:  # torch's private _set_static_graph(), before the first backward
         self.config = replace(self.config, static_graph=True)
@@ -149,6 +143,8 @@ class Reducer:
                 self.register_grad_ready(i, from_hook=False)
         it.adopt, local = self.store.adopts_views, not self.store.keeps_local_per_grad  # the hooks' own path (_hook)
         it.fast = not compiled and (it.per_bucket and not it.checked and it.order is None if syncing else local)
+        if it.fast and not syncing and not self.tracks_graph and self.quiet.mute(self.store if it.adopt else None):
+            self.window_used = [True] * len(self.params)  # what the hooks would mark: the guard asks has_local_grad
         return it
 
     def start_sync(self, it: IterationState) -> list[int]:
@@ -222,13 +218,15 @@ class Reducer:
         try:
             if self.it.syncing:  # with a protocol: reduced until every member holds it
                 self.commit(*(self.reduce(failed) if self.attached is None else self.attached.reduce_until_committed(failed)))
-            elif self.it.adopt:  # a local backward with views: buckets with a member it did not produce
-                self.store.adopt_views()
+            elif self.it.adopt and (self.quiet.fresh or not self.quiet.muted):  # with views: a .grad not its view
+                self.store.adopt_views()  # is taken in, in the buckets this backward left incomplete
         except Exception as exc:
             self.last_error = messages.logged(exc)  # _get_ddp_logging_data()["error"], as torch's logger
             raise
         finally:
             self.it.in_backward = self.it.syncing = self.it.fast = False
+            if self.quiet.muted:  # a local backward's hooks, taken out after its first (quiet.py)
+                self.quiet.unmute()
 
     def reduce(self, failed: int = 0) -> tuple[list[Any] | None, list[int], dict | None]:
         """Launch what is left, wait for the buckets and the control, check it; write nothing back yet."""
@@ -291,6 +289,7 @@ class Reducer:
 
     def reset_iteration(self) -> None:
         self.it = IterationState()
+        self.quiet.unmute()
         self.plane.drop_header()
         self.launcher.reset()
         self.store.reset()
@@ -299,6 +298,7 @@ class Reducer:
         return self.bucket_reduced is None and self.plane.active_ranks is None
 
     def remove_hooks(self) -> None:
+        self.quiet.release()
         for h in self.handles:
             h.remove()
         self.handles = []

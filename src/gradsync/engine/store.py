@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .bucket import SMALL_SLOT, Bucket
-from .checks import check_grad, is_view_of, warn_create_graph
+from .checks import check_grad, fit, is_view_of, warn_create_graph
 from .config import Caps
 from .layout import plan_buckets
 from .main_grad import MainGrads
@@ -207,15 +207,14 @@ class BucketStore:
     def adopt_views(self, buckets: list[Bucket] | None = None) -> None:
         """``keep_local`` in one copy per bucket, not a call per small gradient: for the members of ``buckets``
         the hooks found fresh, or (default) every member of those a local backward left incomplete."""
-        params = self.params
+        params, ptrs = self.params, self.view_ptrs
         for bucket in [b for b in self.buckets if b.pending] if buckets is None else buckets:
             # a complete bucket's hooks listed its fresh gradients (after the window's first micro-step, none)
             fresh = bucket.fresh if buckets is not None else [
-                i for i in bucket.members if (g := params[i].grad) is not None and not self._is_slot(i, g)]
+                i for i in bucket.members if (g := params[i].grad) is not None and g.data_ptr() != ptrs[i]]
             bucket.fresh = []
             grads, views = [params[i].grad for i in fresh], [self.views[i] for i in fresh]
-            if not all(not g.requires_grad and g.layout is torch.strided and g.dtype is v.dtype and g.shape == v.shape
-                       for g, v in zip(grads, views)):
+            if not fit(grads, views):
                 for i in fresh:  # one at a time, through check_grad's errors
                     self.keep_local(i)
             elif fresh:

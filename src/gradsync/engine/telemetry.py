@@ -92,6 +92,14 @@ class Stragglers:
         return None
 
 
+def enable_trace(reducer: Any, on: bool = True) -> list[dict] | None:
+    """Record a timeline per synced backward into the list returned (``on=False``: stop)."""
+    reducer.trace = ([] if reducer.trace is None else reducer.trace) if on else None
+    if on and reducer.auto_caps is not None:  # "auto" traces while it chooses: keep tracing after
+        reducer.auto_caps.keep_trace()
+    return reducer.trace
+
+
 def add_norm2(total: Any, buffer: torch.Tensor) -> torch.Tensor:
     """Add a bucket's squared norm to ``total``: one pass over the bucket, no temporary."""
     part = torch.linalg.vector_norm(buffer.detach(), dtype=torch.float32).square()
@@ -163,4 +171,4 @@ def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["add_norm2", "record_trace", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "local_norms", "read_report", "record_report"]
+__all__ = ["add_norm2", "enable_trace", "record_trace", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "local_norms", "read_report", "record_report"]

@@ -1,0 +1,160 @@
+"""A later local backward's hooks are taken out after its first and put back at its end (engine/quiet.py):
+nothing the hooks would have done is lost, also when that backward raises part-way or replaces ``.grad``."""
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import gradsync
+from gradsync._torch import post_accumulate_hooks
+from gradsync.tools.launch import run_ranks
+from helpers import batches, shard
+
+
+class Boom(torch.autograd.Function):
+    """Raises in its backward, after the head's gradients were accumulated: a backward that fails part-way."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("boom")
+
+
+class Faulty(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.head, self.fail = torch.nn.Linear(8, 32), torch.nn.Linear(32, 4), False
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        return self.head(Boom.apply(h) if self.fail else h)
+
+
+def micro_steps(model, rank, world_size, data, failing):
+    """Two local backwards (the second raises when ``failing``), then a synced one."""
+    (xa, ya), (xb, yb), (xc, yc) = [(shard(x, rank, world_size), shard(y, rank, world_size)) for x, y in data]
+    wrapped = isinstance(model, gradsync.DDP)
+    module = model.module if wrapped else model
+    with model.no_sync() if wrapped else contextlib.nullcontext():
+        F.mse_loss(model(xa), ya).backward()
+        module.fail = failing
+        try:
+            F.mse_loss(model(xb), yb).backward()
+        except RuntimeError as exc:
+            assert failing and "boom" in str(exc)
+        finally:
+            module.fail = False
+    return xc, yc
+
+
+def failed_then_synced(rank, world_size, view):
+    model = gradsync.DDP(Faulty(), gradient_as_bucket_view=view, bucket_cap_mb=1e-4)  # a bucket per parameter
+    data = batches(4, world_size)
+    xs, ys = data[3]
+    F.mse_loss(model(shard(xs, rank, world_size)), shard(ys, rank, world_size)).backward()  # .grad are views now
+    for p in model.parameters():
+        p.grad.zero_()
+    xc, yc = micro_steps(model, rank, world_size, data[:3], failing=True)
+    muted = [len(post_accumulate_hooks(p)) for p in model.parameters()]
+    F.mse_loss(model(xc), yc).backward()  # the forward puts them back: this backward reduces
+    back = [len(post_accumulate_hooks(p)) for p in model.parameters()]
+    ref = Faulty()  # each rank's window alone (the failed backward's head gradients kept), then their mean
+    total = {n: torch.zeros_like(p) for n, p in ref.named_parameters()}
+    for r in range(world_size):
+        ref.zero_grad()
+        xr, yr = micro_steps(ref, r, world_size, data[:3], failing=True)
+        F.mse_loss(ref(xr), yr).backward()
+        for n, p in ref.named_parameters():
+            total[n] += p.grad / world_size
+    got = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    views = [p.grad.data_ptr() == v.data_ptr() for p, v in zip(model.parameters(), model.reducer.store.views)]
+    return muted, back, got, total, views
+
+
+@pytest.mark.parametrize("view", [True, False], ids=["views", "copy"])
+def test_a_local_backward_that_raises_leaves_the_hooks_out_until_the_next_forward(view):
+    for muted, back, got, expected, views in run_ranks(failed_then_synced, 2, view):
+        assert muted == [0, 0, 0, 0], muted  # the raise left them out: its end of backward never ran
+        assert back == [1, 1, 1, 1], back
+        for n in expected:
+            torch.testing.assert_close(got[n], expected[n], rtol=1e-6, atol=1e-7)
+        assert all(views) == view
+
+
+def with_a_user_hook(rank, world_size):
+    model = gradsync.DDP(Faulty(), gradient_as_bucket_view=True)
+    calls = []
+    for n, p in model.module.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: calls.append(n))
+    data = batches(3, world_size)
+    for window in range(2):
+        model.zero_grad(set_to_none=True)
+        xc, yc = micro_steps(model, rank, world_size, data, failing=False)
+        F.mse_loss(model(xc), yc).backward()
+    return len(calls), [list(post_accumulate_hooks(p)) for p in model.parameters()], model.reducer.handles
+
+
+def test_a_users_hooks_run_in_every_backward_after_the_reducers():
+    for count, keys, handles in run_ranks(with_a_user_hook, 2):
+        assert count == 2 * 3 * 4  # windows x backwards x parameters
+        assert [k[0] for k in keys] == [h.id for h in handles]  # the reducer's first, as registered
+
+
+def create_graph_locally(rank, world_size):
+    model = gradsync.DDP(Faulty(), gradient_as_bucket_view=True)
+    data = batches(3, world_size)
+    (xa, ya), (xb, yb) = [(shard(x, rank, world_size), shard(y, rank, world_size)) for x, y in data[:2]]
+    F.mse_loss(model(xa), ya).backward()  # synced: .grad are views
+    before = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+    with model.no_sync(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = F.mse_loss(model(xb), yb)
+        local = torch.autograd.grad(loss, list(model.parameters()), retain_graph=True)
+        # autograd replaces each .grad (old + new), the first hook's too: that backward keeps its hooks, and each
+        # complete bucket takes its new .grad back into the views
+        loss.backward(create_graph=True)
+    views = [p.grad.data_ptr() == v.data_ptr() for p, v in zip(model.parameters(), model.reducer.store.views)]
+    sums = [torch.allclose(p.grad.detach(), before[n] + g, rtol=1e-6, atol=1e-7)
+            for (n, p), g in zip(model.module.named_parameters(), local)]
+    return views, sums
+
+
+def test_a_local_backward_that_replaces_grad_takes_it_back_into_the_views():
+    for views, sums in run_ranks(create_graph_locally, 2):
+        assert all(views) and all(sums), (views, sums)
+
+
+def hooks_seen_mid_backward(rank, world_size, caps):
+    """During a window's first local backward with views (every .grad None): how many of the reducer's hooks are
+    in their dicts when the first layer's gradient arrives, late in the backward."""
+    model = gradsync.DDP(Faulty(), gradient_as_bucket_view=True, **caps)
+    seen = []
+    model.module.first.weight.register_hook(lambda g: seen.append(
+        sum(len(post_accumulate_hooks(p)) for p in model.parameters())))
+    (x, y), = [(shard(x, rank, world_size), shard(y, rank, world_size)) for x, y in batches(1, world_size)]
+    F.mse_loss(model(x), y).backward()
+    for _ in range(2):  # the window's first micro-step (fresh .grad), then its second (.grad are views)
+        model.zero_grad(set_to_none=True) if not seen[1:] else None
+        with model.no_sync():
+            F.mse_loss(model(x), y).backward()
+    largest = max(b.buffer.nbytes for b in model.reducer.buckets)
+    views = all(p.grad is v for p, v in zip(model.parameters(), model.reducer.store.views))
+    return seen, largest, views
+
+
+@pytest.mark.parametrize("caps", [{}, {"bucket_cap_mb": 1e-4}], ids=["one-bucket", "a-bucket-per-parameter"])
+def test_a_first_local_backward_keeps_its_hooks_where_its_new_gradients_outgrow_a_bucket(caps):
+    # 420 float32 parameters (1680 bytes): within a 25 MiB cap the window's first micro-step takes them in at its
+    # end; with a cap of 104 bytes (a bucket per parameter, the largest 1 KiB) that would hold more than one bucket
+    # at once: its hooks stay, and each bucket takes its gradients in as it completes
+    for seen, largest, views in run_ranks(hooks_seen_mid_backward, 2, caps):
+        first_muted = caps == {}
+        assert first_muted == (largest >= 1680), largest
+        assert seen == [4, 0 if first_muted else 4, 0], seen  # synced; first local; second local
+        assert views
