@@ -248,7 +248,7 @@ def storage_base(t: torch.Tensor) -> torch.Tensor:
 
 
 def stamp(t: torch.Tensor) -> tuple[Any, int]:
-    """A mark of ``t``: ``unchanged(mark, x)``: ``x`` is still ``t``, not modified in place since (replaced or zeroed)."""
+    """A mark of ``t``: ``unchanged(mark, x)`` says ``x`` is ``t``, unmodified since (a ``.grad`` we wrote, not the user's)."""
     return weakref.ref(t), t._version
 
 

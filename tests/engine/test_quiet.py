@@ -139,8 +139,9 @@ def hooks_seen_mid_backward(rank, world_size, caps):
         sum(len(post_accumulate_hooks(p)) for p in model.parameters())))
     (x, y), = [(shard(x, rank, world_size), shard(y, rank, world_size)) for x, y in batches(1, world_size)]
     F.mse_loss(model(x), y).backward()
-    for _ in range(2):  # the window's first micro-step (fresh .grad), then its second (.grad are views)
-        model.zero_grad(set_to_none=True) if not seen[1:] else None
+    for first in (True, False):  # the window's first micro-step (fresh .grad), then its second (.grad are views)
+        if first:
+            model.zero_grad(set_to_none=True)
         with model.no_sync():
             F.mse_loss(model(x), y).backward()
     largest = max(b.buffer.nbytes for b in model.reducer.buckets)

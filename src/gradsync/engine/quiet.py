@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from .._torch import post_accumulate_hooks
+from .layout import MiB
 
 
-GRAD, MiB = attrgetter("grad"), 1 << 20
+GRAD = attrgetter("grad")
 
 
 class QuietHooks:

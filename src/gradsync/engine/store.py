@@ -209,7 +209,8 @@ class BucketStore:
         the hooks found fresh, or (default) every member of those a local backward left incomplete."""
         params, ptrs = self.params, self.view_ptrs
         for bucket in [b for b in self.buckets if b.pending] if buckets is None else buckets:
-            # a complete bucket's hooks listed its fresh gradients (after the window's first micro-step, none)
+            # a complete bucket's hooks listed its fresh gradients (after the window's first micro-step, none);
+            # else _is_slot, inline: a quiet backward's end reads every member, and a call each was most of it
             fresh = bucket.fresh if buckets is not None else [
                 i for i in bucket.members if (g := params[i].grad) is not None and g.data_ptr() != ptrs[i]]
             bucket.fresh = []
