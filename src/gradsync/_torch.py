@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import sys
 import weakref
-from itertools import chain
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -180,13 +179,6 @@ def module_slot_dicts(module: torch.nn.Module) -> tuple[dict, dict, dict]:
     return module._parameters, module._buffers, module._modules
 
 
-def slot_ids(dicts: list[dict]) -> tuple[list[int], list[int]]:
-    """Each dict's length, and the ids of all their values in order: compared with an earlier pair they
-    show, without a Python loop, whether any dict gained, lost or replaced a value since (the caller keeps
-    the values alive, so no id is reused)."""
-    return list(map(len, dicts)), list(map(id, chain.from_iterable(map(dict.values, dicts))))
-
-
 def caller_frame() -> Any:
     """The frame that called the function calling this (CPython's ``sys._getframe``)."""
     return sys._getframe(2)
@@ -266,7 +258,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "module_slot_dicts", "slot_ids", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group",
+__all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "module_slot_dicts", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group",
            "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",

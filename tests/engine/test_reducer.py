@@ -252,6 +252,12 @@ def test_the_module_walk_is_kept_until_a_module_changes():
     assert again is not first and again[1] == list(module.buffers()) and len(again[1]) == len(first[1]) + 1
     module[1] = nn.BatchNorm1d(2)  # a child replaced
     assert module_tensors(module, snap)[1] == list(module.buffers())
+    module[0]._parameters["weight"] = nn.Parameter(torch.ones(2, 2))  # a value replaced in place: same lengths
+    assert module_tensors(module, snap)[0] == list(module.parameters())
+    module[1].running_mean = torch.zeros(2)
+    assert module_tensors(module, snap)[1] == list(module.buffers())
+    del module[0].scale  # a value removed
+    assert module_tensors(module, snap)[1] == list(module.buffers())
 
 
 def misuse(rank, world_size, what):

@@ -9,11 +9,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 from torch import nn
 
-from .._torch import caller_frame, functional_call_code, module_slot_dicts, slot_ids
+from .._torch import caller_frame, functional_call_code, module_slot_dicts
 
 
 @dataclass
@@ -24,7 +25,7 @@ class Snapshot:
     requires_grad: list[bool]
     dtypes: list[torch.dtype]
     devices: list[torch.device]
-    slots: tuple | None = None  # the walk's modules' own slot dicts, their lengths and values' ids, the values
+    slots: tuple | None = None  # the walk's modules' own slot dicts, their lengths, those that held values, the values
     tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what that walk found
 
 
@@ -42,7 +43,7 @@ def module_tensors(module: nn.Module, snap: Snapshot | None = None) -> tuple[lis
     on a model of hundreds of modules the two torch walks cost milliseconds). With ``snap``, the walk is
     kept and runs again only once a module's own slots changed (checked by identity, a fraction of a
     walk). A module tree whose classes override one of torch's walks is walked by torch's own methods."""
-    if snap is not None and snap.slots is not None and slot_ids(snap.slots[0]) == snap.slots[1:3]:
+    if snap is not None and snap.slots is not None and same_slots(*snap.slots):
         return snap.tensors  # type: ignore[return-value]
     if any(getattr(type(module), name) is not getattr(nn.Module, name) for name in _WALKS):
         return list(module.parameters()), list(module.buffers())
@@ -74,9 +75,17 @@ def module_tensors(module: nn.Module, snap: Snapshot | None = None) -> tuple[lis
                 buffers.append(b)
         stack.extend([c for c in reversed(children) if c is not None])
     if snap is not None:
-        snap.slots, snap.tensors = (dicts, *slot_ids(dicts), [list(d.values()) for d in dicts]), (params, buffers)
+        filled = [d for d in dicts if d]
+        snap.slots = (dicts, list(map(len, dicts)), filled, list(chain.from_iterable(map(dict.values, filled))))
+        snap.tensors = (params, buffers)
         return snap.tensors
     return params, buffers
+
+
+def same_slots(dicts: list[dict], lengths: list[int], filled: list[dict], values: list) -> bool:
+    """Whether no slot dict gained, lost or replaced a value since the walk, in C loops: the same lengths, and the
+    same objects in the dicts that held any (a dict empty then shows any new value in its length)."""
+    return list(map(len, dicts)) == lengths and all(map(operator.is_, chain.from_iterable(map(dict.values, filled)), values))
 
 
 def parameters_swapped(module: nn.Module, taken: Snapshot, own: Sequence[torch.Tensor],

@@ -32,6 +32,7 @@ class QuietHooks:
     def __init__(self, params: Sequence[torch.Tensor], handles: Sequence[Any]):
         self.params, self.nbytes = params, [p.numel() * p.element_size() for p in params]
         self.entries = [(hooks, h.id, hooks[h.id]) for hooks, h in zip(map(post_accumulate_hooks, params), handles)]
+        self.dicts, self.keys, self.hooks = ([e[k] for e in self.entries] for k in range(3))
         self.muted: list[tuple[Any, int, Any]] = []
         self.fresh = False  # with views under create_graph: the muted backward leaves .grad that are not views
 
@@ -52,8 +53,7 @@ class QuietHooks:
                     if fresh > max(max(caps) * MiB, *(b.buffer.nbytes for b in store.buckets)):
                         return False
                     self.fresh = True
-        entries = self.entries
-        dicts, keys = [e[0] for e in entries], [e[1] for e in entries]
+        entries, dicts, keys = self.entries, self.dicts, self.keys
         if all(map((1).__eq__, map(len, dicts))) and all(map(dict.__contains__, dicts, keys)):
             self.muted = entries  # each parameter holds only ours: out in one C loop
             deque(map(delitem, dicts, keys), 0)
@@ -65,8 +65,12 @@ class QuietHooks:
 
     def unmute(self) -> None:
         muted = self.muted
-        dicts = [e[0] for e in muted]
-        deque(map(setitem, dicts, [e[1] for e in muted], [e[2] for e in muted]), 0)
+        if muted is self.entries:  # all of them (mute's C loop)
+            dicts = self.dicts
+            deque(map(setitem, dicts, self.keys, self.hooks), 0)
+        else:
+            dicts = [e[0] for e in muted]
+            deque(map(setitem, dicts, [e[1] for e in muted], [e[2] for e in muted]), 0)
         if not all(map((1).__eq__, map(len, dicts))):
             for hooks, key, _ in muted:
                 if len(hooks) > 1:  # registered since it was taken out: it ran first
@@ -75,7 +79,7 @@ class QuietHooks:
 
     def release(self) -> None:  # the hooks are about to be removed for good
         self.unmute()
-        self.entries = []
+        self.entries, self.dicts, self.keys, self.hooks = [], [], [], []
 
 
 def lend_views(store: Any, grads: list[torch.Tensor | None]) -> None:
