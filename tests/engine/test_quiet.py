@@ -156,3 +156,48 @@ def test_a_first_local_backward_accumulates_into_the_views(caps):
     for seen, views in run_ranks(seen_mid_backward, 2, caps):
         assert seen[0][0] == 4 and seen[1:] == [(0, [True, True])] * 2, seen  # synced; first local; second local
         assert views
+
+
+class TwoHeads(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x, both=True):
+        h = torch.tanh(self.body(x))
+        return self.a(h) + self.b(h) if both else self.a(h)
+
+
+def head_unreached_first(rank, world_size):
+    """A window whose first local backward does not reach head ``b``; its second and the synced one do. gradsync
+    with views against torch's DDP with views, in the same group, two windows, SGD."""
+    data = batches(3, world_size)
+    out = {}
+    for name, wrap in (("gradsync", gradsync.DDP), ("torch", torch.nn.parallel.DistributedDataParallel)):
+        model = wrap(TwoHeads(), gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for window in range(2):
+            opt.zero_grad(set_to_none=True)
+            with model.no_sync():
+                for k, (x, y) in enumerate(data[:2]):
+                    F.mse_loss(model(shard(x, rank, world_size), both=k == 1), shard(y, rank, world_size)).backward()
+                    if k == 0:
+                        unreached = model.module.b.weight.grad
+                        out[name + " unreached"] = None if unreached is None else unreached.clone()
+            x, y = data[2]
+            F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+            out[f"{name} grads {window}"] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
+            opt.step()
+    return out
+
+
+def test_a_parameter_the_first_local_backward_does_not_reach_gets_what_torch_gives_it():
+    # the first hook makes every .grad its zeroed view: one the backward does not reach holds zeros (torch's: None);
+    # what the window reduces and the step it takes are torch's
+    for out in run_ranks(head_unreached_first, 2):
+        assert out["torch unreached"] is None and torch.equal(out["gradsync unreached"], torch.zeros(4, 16))
+        for window in range(2):
+            got, expected = out[f"gradsync grads {window}"], out[f"torch grads {window}"]
+            for n in expected:
+                torch.testing.assert_close(got[n], expected[n], rtol=1e-6, atol=1e-7)
