@@ -229,6 +229,12 @@ def foreach_copy_(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     torch._foreach_copy_(dst, src)
 
 
+def foreach_zero_(tensors: list[torch.Tensor]) -> None:
+    """``t.zero_()`` for every tensor in one call (none: nothing)."""
+    if tensors:
+        torch._foreach_zero_(tensors)
+
+
 def foreach_div_(tensors: list[torch.Tensor], divisor: int) -> None:
     """``t.div_(divisor)`` for every tensor in one call (a bucket's small gradient slots), not one by one."""
     torch._foreach_div_(tensors, divisor)
@@ -260,7 +266,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
 
 __all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "module_slot_dicts", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group",
            "device_index",
-           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_",
+           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_", "foreach_zero_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
            "post_accumulate_hooks", "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
            "storage_base", "torch_function_disabled", "torch_function_stack", "version"]

@@ -201,3 +201,36 @@ def test_a_parameter_the_first_local_backward_does_not_reach_gets_what_torch_giv
             got, expected = out[f"gradsync grads {window}"], out[f"torch grads {window}"]
             for n in expected:
                 torch.testing.assert_close(got[n], expected[n], rtol=1e-6, atol=1e-7)
+
+
+class SmallAndLarge(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.small, self.large = torch.nn.Linear(8, 64), torch.nn.Linear(64, 4), torch.nn.Linear(64, 128)
+
+    def forward(self, x):
+        h = torch.tanh(self.first(x))
+        return self.small(h).sum(1, keepdim=True) + self.large(h).sum(1, keepdim=True)
+
+
+def lent_or_kept(rank, world_size):
+    """In a window's first local backward, when the first layer's gradient arrives: which .grad are their views."""
+    model = gradsync.DDP(SmallAndLarge(), gradient_as_bucket_view=True)
+    views = dict(zip(model.parameters(), model.reducer.store.views))
+    heads = {"small.weight": model.module.small.weight, "large.weight": model.module.large.weight}
+    seen = {}
+    model.module.first.weight.register_hook(lambda g: seen.update({n: p.grad is views[p] for n, p in heads.items()}))
+    x, y = shard(torch.randn(8, 8), rank, world_size), shard(torch.randn(8, 1), rank, world_size)
+    with model.no_sync():
+        F.mse_loss(model(x), y).backward()
+    return seen, all(p.grad is v for p, v in views.items()), heads["large.weight"].numel() * 4
+
+
+def test_a_first_local_backward_lends_views_to_small_gradients_only():
+    # a small gradient is added into its zeroed view; a large one (adding into a zeroed view would pass over its
+    # memory twice more than autograd's own tensor and one copy) stays autograd's until the backward's end
+    from gradsync.engine.quiet import LEND_BYTES
+    for seen, views, large in run_ranks(lent_or_kept, 2):
+        assert large > LEND_BYTES
+        assert seen == {"small.weight": True, "large.weight": False} and views, seen

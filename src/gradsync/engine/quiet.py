@@ -14,16 +14,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from itertools import compress, repeat
-from operator import attrgetter, delitem, is_, is_not, not_, setitem
+from operator import and_, attrgetter, delitem, is_, is_not, setitem
 from typing import Any
 
 import torch
 
-from .._torch import post_accumulate_hooks
+from .._torch import foreach_zero_, post_accumulate_hooks
 from .layout import MiB
 
 
 GRAD = attrgetter("grad")
+# A missing .grad of at most this many bytes becomes its zeroed view at a window's first local hook: autograd's add into
+# it costs ~2 us more than its taking its own new tensor, less than the Python-issued copy into the view that tensor
+# needs later (benchmarks/results/speed-many-params-2cpu-2026-11-28.md); a larger one costs more in memory passes.
+LEND_BYTES = 16 * 1024
 
 
 class QuietHooks:
@@ -31,28 +35,29 @@ class QuietHooks:
 
     def __init__(self, params: Sequence[torch.Tensor], handles: Sequence[Any]):
         self.params, self.nbytes = params, [p.numel() * p.element_size() for p in params]
+        self.small = [n <= LEND_BYTES for n in self.nbytes]
         self.entries = [(hooks, h.id, hooks[h.id]) for hooks, h in zip(map(post_accumulate_hooks, params), handles)]
         self.dicts, self.keys, self.hooks = ([e[k] for e in self.entries] for k in range(3))
         self.muted: list[tuple[Any, int, Any]] = []
-        self.fresh = False  # with views under create_graph: the muted backward leaves .grad that are not views
+        self.fresh = False  # with views: the muted backward leaves .grad that are not views, taken in at its end
 
     def mute(self, store: Any = None) -> bool:
         """Take the hooks out of each parameter that has no other (another's hooks keep their order). With the
-        ``store`` of gradient views, a ``.grad`` that is not its view (a window's first micro-step, after ``zero_grad``)
-        becomes its view now (``lend_views``); under ``create_graph``, where autograd replaces every ``.grad``, they are
-        taken in at the end of the backward, so only while they hold at most one bucket cap (``bucket_cap_mb``, or the
-        largest bucket if larger), where the hooks take each bucket's in as it completes."""
+        ``store`` of gradient views, a missing ``.grad`` of at most ``LEND_BYTES`` (a window's first micro-step, after
+        ``zero_grad``) becomes its zeroed view now (``lend_views``); a larger one, or one autograd replaces
+        (``create_graph``), is taken in at the end of the backward, so only while such gradients hold at most one
+        bucket cap (``bucket_cap_mb``, or the largest bucket if larger), where the hooks take each bucket's in as it
+        completes."""
         if store is not None:
             grads = list(map(GRAD, self.params))
             if not all(map(is_, grads, store.views)):  # the same objects ``.grad = view`` set
                 if not torch.is_grad_enabled():  # autograd adds into a .grad in place (no create_graph)
-                    lend_views(store, grads)
-                else:
-                    fresh = sum(compress(self.nbytes, map(is_not, grads, store.views)))  # C loops: no call per gradient
-                    caps = store.caps[0] if isinstance(store.caps[0], tuple) else (store.caps[0],)
-                    if fresh > max(max(caps) * MiB, *(b.buffer.nbytes for b in store.buckets)):
-                        return False
-                    self.fresh = True
+                    grads = lend_views(store, grads, self.small)
+                fresh = sum(compress(self.nbytes, map(is_not, grads, store.views)))  # C loops: no call per gradient
+                caps = store.caps[0] if isinstance(store.caps[0], tuple) else (store.caps[0],)
+                if fresh > max(max(caps) * MiB, *(b.buffer.nbytes for b in store.buckets)):
+                    return False
+                self.fresh = fresh > 0
         entries, dicts, keys = self.entries, self.dicts, self.keys
         if all(map((1).__eq__, map(len, dicts))) and all(map(dict.__contains__, dicts, keys)):
             self.muted = entries  # each parameter holds only ours: out in one C loop
@@ -82,26 +87,28 @@ class QuietHooks:
         self.entries, self.dicts, self.keys, self.hooks = [], [], [], []
 
 
-def lend_views(store: Any, grads: list[torch.Tensor | None]) -> None:
-    """Make every ``.grad`` its bucket view before autograd accumulates into it: a missing one a zeroed view (a
-    memset per bucket when no view holds a gradient), one autograd already created (the hook's own) copied in.
-    Autograd then adds the rest in place, so a window's first micro-step leaves no gradient outside the views."""
+def lend_views(store: Any, grads: list[torch.Tensor | None], small: list[bool]) -> list[torch.Tensor | None]:
+    """Make each missing small ``.grad`` its zeroed bucket view before autograd accumulates into it (a memset per bucket
+    when every gradient is small and none is in a view yet), and take in those autograd already created (the hook's
+    own); return the ``.grad`` now. Autograd then adds the small ones in place, so a window's first micro-step leaves
+    them nowhere but the views; a larger one stays autograd's own tensor, taken in later, one copy: adding into a
+    zeroed view would pass over its memory twice more."""
     views, params, ptrs = store.views, store.params, store.view_ptrs
-    missing = list(map(is_, grads, repeat(None)))
-    present = list(compress(range(len(grads)), map(not_, missing)))
+    lent = list(map(and_, map(is_, grads, repeat(None)), small))
+    present = list(compress(range(len(grads)), map(is_not, grads, repeat(None))))
     fresh = [i for i in present if grads[i] is not views[i] and grads[i].data_ptr() != ptrs[i]]
-    if len(fresh) < len(present):  # some view holds this window's gradient: zero only the others
-        for view in compress(views, missing):
-            view.zero_()
-    else:
+    if len(fresh) == len(present) and all(small):  # no view holds this window's gradient yet
         for bucket in store.buckets:
             bucket.buffer.zero_()
-    deque(map(setattr, compress(params, missing), repeat("grad"), compress(views, missing)), 0)
+    else:
+        foreach_zero_(list(compress(views, lent)))
+    deque(map(setattr, compress(params, lent), repeat("grad"), compress(views, lent)), 0)
     if fresh:
         buckets = {store.bucket_of[i]: store.buckets[store.bucket_of[i]] for i in fresh}
         for i in fresh:
             buckets[store.bucket_of[i]].fresh.append(i)
         store.adopt_views(list(buckets.values()))
+    return list(map(GRAD, params))
 
 
-__all__ = ["QuietHooks", "lend_views"]
+__all__ = ["LEND_BYTES", "QuietHooks", "lend_views"]
