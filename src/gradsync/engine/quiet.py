@@ -2,7 +2,7 @@
 
 A local backward (``no_sync``) needs little from a gradient's hook: autograd accumulates into ``.grad`` (with views,
 in place into the slot ``.grad`` already is), the step guard needs only to know the window holds local gradients, and
-with views a window's first micro-step can have every ``.grad`` made its zeroed view at once (``lend_views``). So the
+with views a window's first micro-step can have each small ``.grad`` made its zeroed view at once (``lend_views``). So the
 first hook of such a backward takes the reducer's hooks out of their parameters' hook dicts, and the end of the
 backward (or, after one that raised, the next forward) puts them back in their place. A hook call costs ~2.5 us
 from the autograd engine into Python: on 801 small parameters ~2 ms of a 14 ms local backward
