@@ -1,5 +1,6 @@
-"""A later local backward's hooks are taken out after its first and put back at its end (engine/quiet.py):
-nothing the hooks would have done is lost, also when that backward raises part-way or replaces ``.grad``."""
+"""A local backward's hooks are taken out after its first and put back at its end, and with views a window's first
+lends its small gradients their zeroed views (engine/quiet.py): nothing the hooks would have done is lost, also
+when that backward raises part-way, replaces ``.grad`` or does not reach a parameter."""
 import contextlib
 import warnings
 
