@@ -152,8 +152,8 @@ def seen_mid_backward(rank, world_size, caps):
 
 @pytest.mark.parametrize("caps", [{}, {"bucket_cap_mb": 1e-4}], ids=["one-bucket", "a-bucket-per-parameter"])
 def test_a_first_local_backward_accumulates_into_the_views(caps):
-    # after zero_grad(set_to_none=True) the first hook makes every .grad its view: autograd adds the rest in place,
-    # so no gradient lives outside the buckets, however many buckets; the hooks are out from there on
+    # after zero_grad(set_to_none=True) the first hook makes each small .grad its view (all of them here): autograd
+    # adds the rest in place, so none lives outside the buckets, however many buckets; the hooks are out from there on
     for seen, views in run_ranks(seen_mid_backward, 2, caps):
         assert seen[0][0] == 4 and seen[1:] == [(0, [True, True])] * 2, seen  # synced; first local; second local
         assert views
@@ -194,7 +194,7 @@ def head_unreached_first(rank, world_size):
 
 
 def test_a_parameter_the_first_local_backward_does_not_reach_gets_what_torch_gives_it():
-    # the first hook makes every .grad its zeroed view: one the backward does not reach holds zeros (torch's: None);
+    # the first hook makes each small .grad its zeroed view: one the backward does not reach holds zeros (torch's: None);
     # what the window reduces and the step it takes are torch's
     for out in run_ranks(head_unreached_first, 2):
         assert out["torch unreached"] is None and torch.equal(out["gradsync unreached"], torch.zeros(4, 16))

@@ -24,7 +24,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 def trace_backwards(rank, world_size, steps, layers=None, local_views=False, local=None):
     """``local_views``: each backward is a window's first ``no_sync`` one with gradient views, after
-    ``zero_grad(set_to_none=True)``, so autograd hands every parameter a new ``.grad`` to take into its slot.
+    ``zero_grad(set_to_none=True)``, so every parameter's ``.grad`` must come into its slot.
     ``local`` ("views" or "copy"): each backward after the first (synced) one is a later ``no_sync`` one."""
     net = mlp() if layers is None else torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(layers)])
     model = gradsync.DistributedDataParallel(net, gradient_as_bucket_view=local_views or local == "views")
@@ -77,10 +77,10 @@ def test_python_calls_per_extra_parameter_are_at_most_two():
     assert per_parameter <= 2.0, (few, many, per_parameter)
 
 
-def test_a_local_backward_takes_new_gradients_into_their_slots_per_bucket():
-    # with views, a window's first no_sync backward copies each bucket's new gradients in at once (one copy
-    # per bucket), at its end, its hooks taken out after the first (engine/quiet.py): no call per gradient. A
-    # copy per gradient was ~6 calls per parameter, ~30% of a small no_sync backward; a hook each, 1.0
+def test_a_first_local_backward_brings_its_gradients_into_their_slots_with_no_call_per_parameter():
+    # with views, a window's first no_sync backward has its first hook make each small .grad its zeroed slot and
+    # take the other hooks out until it ends (engine/quiet.py): no call per gradient. A copy per gradient was ~6
+    # calls per parameter, ~30% of a small no_sync backward; a copy per bucket with a hook each, 1.0
     few, many = (run_ranks(trace_backwards, 2, 3, layers, True)[0][-1][1] for layers in (8, 64))
     per_parameter = (many - few) / (128 - 16)
     print(f"calls: {few} for 16 parameters, {many} for 128: {per_parameter:.2f} per extra parameter")

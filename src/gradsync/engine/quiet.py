@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from .._torch import foreach_zero_, post_accumulate_hooks
+from .checks import is_view_of
 from .layout import MiB
 
 
@@ -36,9 +37,10 @@ class QuietHooks:
     def __init__(self, params: Sequence[torch.Tensor], handles: Sequence[Any]):
         self.params, self.nbytes = params, [p.numel() * p.element_size() for p in params]
         self.small = [n <= LEND_BYTES for n in self.nbytes]
-        self.entries = [(hooks, h.id, hooks[h.id]) for hooks, h in zip(map(post_accumulate_hooks, params), handles)]
-        self.dicts, self.keys, self.hooks = ([e[k] for e in self.entries] for k in range(3))
-        self.muted: list[tuple[Any, int, Any]] = []
+        self.dicts = list(map(post_accumulate_hooks, params))  # each parameter's hook dict, our key in it, our hook
+        self.keys = [h.id for h in handles]
+        self.hooks = [hooks[key] for hooks, key in zip(self.dicts, self.keys)]
+        self.muted: tuple[list, list, list] | tuple[()] = ()  # (dicts, keys, hooks) taken out, until put back
         self.fresh = False  # with views: the muted backward leaves .grad that are not views, taken in at its end
 
     def mute(self, store: Any = None) -> bool:
@@ -58,33 +60,27 @@ class QuietHooks:
                 if fresh > max(max(caps) * MiB, *(b.buffer.nbytes for b in store.buckets)):
                     return False
                 self.fresh = fresh > 0
-        entries, dicts, keys = self.entries, self.dicts, self.keys
-        if all(map((1).__eq__, map(len, dicts))) and all(map(dict.__contains__, dicts, keys)):
-            self.muted = entries  # each parameter holds only ours: out in one C loop
-            deque(map(delitem, dicts, keys), 0)
-            return True
-        self.muted = [e for e in entries if len(e[0]) == 1 and e[1] in e[0]]
-        for hooks, key, _ in self.muted:
-            del hooks[key]
+        dicts, keys, hooks = self.dicts, self.keys, self.hooks
+        if not (all(map((1).__eq__, map(len, dicts))) and all(map(dict.__contains__, dicts, keys))):
+            alone = [len(d) == 1 and k in d for d, k in zip(dicts, keys)]  # someone else's hooks keep ours, in order
+            dicts, keys, hooks = (list(compress(column, alone)) for column in (dicts, keys, hooks))
+        deque(map(delitem, dicts, keys), 0)  # one C loop, no call per parameter
+        self.muted = (dicts, keys, hooks) if dicts else ()
         return True
 
     def unmute(self) -> None:
-        muted = self.muted
-        if muted is self.entries:  # all of them (mute's C loop)
-            dicts = self.dicts
-            deque(map(setitem, dicts, self.keys, self.hooks), 0)
-        else:
-            dicts = [e[0] for e in muted]
-            deque(map(setitem, dicts, [e[1] for e in muted], [e[2] for e in muted]), 0)
-        if not all(map((1).__eq__, map(len, dicts))):
-            for hooks, key, _ in muted:
-                if len(hooks) > 1:  # registered since it was taken out: it ran first
-                    hooks.move_to_end(key, last=False)
-        self.muted, self.fresh = [], False
+        if self.muted:
+            dicts, keys, hooks = self.muted
+            deque(map(setitem, dicts, keys, hooks), 0)
+            if not all(map((1).__eq__, map(len, dicts))):
+                for d, key in zip(dicts, keys):
+                    if len(d) > 1:  # registered since it was taken out: it ran first
+                        d.move_to_end(key, last=False)
+        self.muted, self.fresh = (), False
 
     def release(self) -> None:  # the hooks are about to be removed for good
         self.unmute()
-        self.entries, self.dicts, self.keys, self.hooks = [], [], [], []
+        self.dicts, self.keys, self.hooks = [], [], []
 
 
 def lend_views(store: Any, grads: list[torch.Tensor | None], small: list[bool]) -> list[torch.Tensor | None]:
@@ -93,10 +89,10 @@ def lend_views(store: Any, grads: list[torch.Tensor | None], small: list[bool]) 
     own); return the ``.grad`` now. Autograd then adds the small ones in place, so a window's first micro-step leaves
     them nowhere but the views; a larger one stays autograd's own tensor, taken in later, one copy: adding into a
     zeroed view would pass over its memory twice more."""
-    views, params, ptrs = store.views, store.params, store.view_ptrs
+    views, params = store.views, store.params
     lent = list(map(and_, map(is_, grads, repeat(None)), small))
     present = list(compress(range(len(grads)), map(is_not, grads, repeat(None))))
-    fresh = [i for i in present if grads[i] is not views[i] and grads[i].data_ptr() != ptrs[i]]
+    fresh = [i for i in present if not is_view_of(grads[i], views[i])]
     if len(fresh) == len(present) and all(small):  # no view holds this window's gradient yet
         for bucket in store.buckets:
             bucket.buffer.zero_()
