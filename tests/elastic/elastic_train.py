@@ -16,7 +16,7 @@ import torch
 
 import gradsync
 
-POINTS = ["forward", "freeze", "local_backward", "before_reductions", "during_reductions", "after_reductions",
+POINTS = ["forward", "freeze", "freeze_during_reductions", "local_backward", "before_reductions", "during_reductions", "after_reductions",
           "after_commit", "optimizer_step", "step_vote", "mirror_pass", "corrupt", "auto_gather", "none"]
 
 
@@ -173,16 +173,16 @@ def main() -> None:
     kill_step = "last" if args.kill_step is None else args.kill_step
     net.register_forward_pre_hook(lambda *_: die() if at("forward", kill_step) else None)
     net.register_forward_pre_hook(lambda *_: freeze(args.out) if at("freeze", kill_step) else None)
-    if victim and args.point == "during_reductions":  # after the header and the first bucket's collective
+    if victim and args.point in ("during_reductions", "freeze_during_reductions"):  # after the header and the first bucket
         calls = []
 
         def counted(collective):
             def call(*a, **k):
-                if at("during_reductions", "last"):
+                if at(args.point, "last"):
                     calls.append(1)
                     if len(calls) == 3:
                         time.sleep(args.kill_delay)  # the others have the earlier buckets' results by then
-                        die()
+                        freeze(args.out) if args.point == "freeze_during_reductions" else die()
                 return collective(*a, **k)
             return call
         torch.distributed.all_reduce = counted(torch.distributed.all_reduce)
@@ -216,7 +216,7 @@ def main() -> None:
         gather = gradsync.engine.autocap.AutoCaps.gather
         gradsync.engine.autocap.AutoCaps.gather = lambda self: die() if state["window"] == args.window else gather(self)
 
-    processed, sampler = [], None
+    processed, sampler, memory = [], None, []
 
     def micro_steps():  # (window, micro-step, x, y); with an accumulator, its state says where the job is
         nonlocal sampler
@@ -268,12 +268,16 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
+        if (args.plain or acc.is_boundary) and not args.sharded:  # what the buckets' collectives were given
+            memory.append((gradsync.elastic.membership.membership().generation, sorted(
+                (b.buffer if b.wire is None else b.wire).data_ptr() for b in model.reducer.store.buckets)))
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
     torch.save({"params": [p.detach().cpu().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
                 "bucket_choice": model.bucket_choice, "buckets": model.reducer.bucket_plan(),
                 "buckets_reduced": model.reducer.skips.reduced,
                 "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
-                "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict()}, os.path.join(args.out, f"{me}.pt"))
+                "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict(),
+                "memory": memory}, os.path.join(args.out, f"{me}.pt"))
 
 
 if __name__ == "__main__":

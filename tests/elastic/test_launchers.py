@@ -130,19 +130,31 @@ def test_torchrun_a_killed_worker_restarts_only_its_group(tmp_path, job):
 
 
 @pytest.mark.slow  # a 5 s heartbeat timeout, then a restart: about 40 s
-def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, job):
-    """Replica a:1 stops (SIGSTOP, its heartbeat with it); the others leave it out once its beat stood still
-    for 5 s and go on; when it is continued it finds itself left out and exits, and torchrun restarts its group."""
+@pytest.mark.parametrize("point", ["freeze", "freeze_during_reductions"])
+def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, job, point):
+    """Replica a:1 stops (SIGSTOP, its heartbeat with it) before its forward, or inside its synced backward after
+    its header and first bucket; the others leave it out once its beat stood still for 5 s and go on; when it is
+    continued it finds itself left out and exits (what it sends in the old group changes nothing of the others'),
+    and torchrun restarts its group."""
     j = job()
     deadline = time.monotonic() + TIMEOUT
     for group in "ab":
-        j.torchrun(group, "--victim", "a:1", "--window", "1", "--point", "freeze", "--sleep", "0.05",
+        j.torchrun(group, "--victim", "a:1", "--window", "1", "--point", point, "--sleep", "0.05",
                    "--until-full", "4")
     while "left in window" not in j.log("b"):
         assert time.monotonic() < deadline and all(p.poll() is None for p in j.procs.values()), j.log("b")[-3000:]
         time.sleep(0.1)
     os.kill(int((tmp_path / "frozen.pid").read_text()), signal.SIGCONT)
     check_finished(tmp_path, j, j.wait(deadline))
+    changed = 0  # the bucket memory a frozen member could still write into is never used again: each
+    for replica, result in survivors(tmp_path).items():  # generation reduces in memory of its own
+        by_generation = {}
+        for generation, pointers in result["memory"]:
+            by_generation.setdefault(generation, set()).update(pointers)
+        ordered = [by_generation[g] for g in sorted(by_generation)]
+        changed += len(ordered) - 1
+        assert all(not (a & b) for a, b in zip(ordered, ordered[1:])), (replica, result["memory"])
+    assert changed, "no replica trained in two generations"
 
 
 def test_admission_refuses_another_job_a_twin_and_another_model(tmp_path, job):

@@ -93,8 +93,9 @@ class Attachment:
         r.launcher.group = r.layout.group = group
         if r.store.sharded:  # through the control group (on the CPU), every wait bounded
             r.store.regroup(r.plane.group, r.rank, r.world_size, r.plane.wait, contributes=not joining)
-        else:
-            r.store.world_size = r.world_size
+        else:  # new bucket memory: gloo cannot cancel a collective of the old group, and a member frozen in it,
+            r.store.world_size = r.world_size  # once continued, completes it there (the survivors' copy would change)
+            r.store.replan(None)
         self.on_regroup(group)
 
     def agree(self, what: str) -> bool:

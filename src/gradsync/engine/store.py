@@ -97,13 +97,13 @@ class BucketStore:
         """The current buckets as lists of parameter indices."""
         return [list(b.members) for b in self.buckets]
 
-    def replan(self, order: list[int], caps: Caps | None = None) -> None:
-        """Lay the buckets out from ``order`` (every rank's the same) and ``caps`` (default: the current)."""
-        self.plan_order = list(order)
-        if caps is not None:
-            self.caps = caps
-        plan = plan_buckets(self.params, *self.caps, order)
-        if plan != self.plan():
+    def replan(self, order: list[int] | None, caps: Caps | None = None) -> None:
+        """Lay the buckets out from ``order`` (every rank's the same) and ``caps`` (default: the current); ``None``: the
+        same buckets in new memory (the window carried over), so that nothing written into the old one counts."""
+        self.plan_order = list(order) if order is not None else self.plan_order
+        self.caps = caps or self.caps
+        plan = plan_buckets(self.params, *self.caps, order) if order is not None else self.plan()
+        if order is None or plan != self.plan():
             self._build(plan)
 
     def nbytes(self, bucket: Bucket) -> int:
