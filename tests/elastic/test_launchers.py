@@ -107,12 +107,12 @@ def starts(tmp_path: Path) -> dict[str, int]:
     return counts
 
 
-def check_finished(tmp_path: Path, job: Job, codes: dict[str, int]) -> dict:
+def check_finished(tmp_path: Path, job: Job, codes: dict[str, int], adamw: bool = False) -> dict:
     assert codes == {"a": 0, "b": 0, "coordinator": 0}, job.log("a")[-3000:] + job.log("b")[-3000:]
     assert starts(tmp_path) == {"a:0": 2, "a:1": 2, "b:0": 1, "b:1": 1}  # torchrun a restarted its group once
     first = agreeing(survivors(tmp_path), [0, 1, 2, 3], job.log("a"))
     assert sorted(first["members"]) == [0, 1, 2, 3] and any(e["left"] for e in first["events"])
-    want = reference(first["events"], 4, windows=first["windows"])
+    want = reference(first["events"], 4, windows=first["windows"], adamw=adamw)
     for got, ref in zip(first["params"], want):
         assert (got - ref).abs().max() <= 1e-5
     return first
@@ -130,8 +130,9 @@ def test_torchrun_a_killed_worker_restarts_only_its_group(tmp_path, job):
 
 
 @pytest.mark.slow  # a 5 s heartbeat timeout, then a restart: about 40 s
-@pytest.mark.parametrize("point", ["freeze", "freeze_during_reductions"])
-def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, job, point):
+@pytest.mark.parametrize("point, sharded", [("freeze", False), ("freeze_during_reductions", False),
+                                           ("freeze_during_reductions", True)])
+def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, job, point, sharded):
     """Replica a:1 stops (SIGSTOP, its heartbeat with it) before its forward, or inside its synced backward after
     its header and first bucket; the others leave it out once its beat stood still for 5 s and go on; when it is
     continued it finds itself left out and exits (what it sends in the old group changes nothing of the others'),
@@ -140,21 +141,21 @@ def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, j
     deadline = time.monotonic() + TIMEOUT
     for group in "ab":
         j.torchrun(group, "--victim", "a:1", "--window", "1", "--point", point, "--sleep", "0.05",
-                   "--until-full", "4")
+                   "--until-full", "4", *(["--sharded"] if sharded else []))
     while "left in window" not in j.log("b"):
         assert time.monotonic() < deadline and all(p.poll() is None for p in j.procs.values()), j.log("b")[-3000:]
         time.sleep(0.1)
     os.kill(int((tmp_path / "frozen.pid").read_text()), signal.SIGCONT)
-    check_finished(tmp_path, j, j.wait(deadline))
+    check_finished(tmp_path, j, j.wait(deadline), adamw=sharded)
     changed = 0  # the bucket memory a frozen member could still write into is never used again: each
     for replica, result in survivors(tmp_path).items():  # generation reduces in memory of its own
         by_generation = {}
         for generation, pointers in result["memory"]:
             by_generation.setdefault(generation, set()).update(pointers)
         ordered = [by_generation[g] for g in sorted(by_generation)]
-        changed += len(ordered) - 1
+        changed += max(len(ordered) - 1, 0)
         assert all(not (a & b) for a, b in zip(ordered, ordered[1:])), (replica, result["memory"])
-    assert changed, "no replica trained in two generations"
+    assert changed or sharded, "no replica trained in two generations"  # a sharded store re-lays its buckets
 
 
 def test_admission_refuses_another_job_a_twin_and_another_model(tmp_path, job):
