@@ -134,9 +134,9 @@ def test_torchrun_a_killed_worker_restarts_only_its_group(tmp_path, job):
                                            ("freeze_during_reductions", True)])
 def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, job, point, sharded):
     """Replica a:1 stops (SIGSTOP, its heartbeat with it) before its forward, or inside its synced backward after
-    its header and first bucket; the others leave it out once its beat stood still for 5 s and go on; when it is
-    continued it finds itself left out and exits (what it sends in the old group changes nothing of the others'),
-    and torchrun restarts its group."""
+    its header and first bucket (also sharded, with AdamW); the others leave it out once its beat stood still for
+    5 s and go on; when it is continued it finds itself left out and exits (what it sends in the old group changes
+    nothing of the others'), and torchrun restarts its group."""
     j = job()
     deadline = time.monotonic() + TIMEOUT
     for group in "ab":
@@ -147,15 +147,16 @@ def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, j
         time.sleep(0.1)
     os.kill(int((tmp_path / "frozen.pid").read_text()), signal.SIGCONT)
     check_finished(tmp_path, j, j.wait(deadline), adamw=sharded)
-    changed = 0  # the bucket memory a frozen member could still write into is never used again: each
-    for replica, result in survivors(tmp_path).items():  # generation reduces in memory of its own
+    # the bucket memory a frozen member could still write into is never used again: each generation has its own
+    changed = 0
+    for replica, result in survivors(tmp_path).items():
         by_generation = {}
         for generation, pointers in result["memory"]:
             by_generation.setdefault(generation, set()).update(pointers)
         ordered = [by_generation[g] for g in sorted(by_generation)]
         changed += max(len(ordered) - 1, 0)
         assert all(not (a & b) for a, b in zip(ordered, ordered[1:])), (replica, result["memory"])
-    assert changed or sharded, "no replica trained in two generations"  # a sharded store re-lays its buckets
+    assert changed or sharded, "no replica trained in two generations"  # (a sharded store records none)
 
 
 def test_admission_refuses_another_job_a_twin_and_another_model(tmp_path, job):

@@ -93,8 +93,10 @@ class Attachment:
         r.launcher.group = r.layout.group = group
         if r.store.sharded:  # through the control group (on the CPU), every wait bounded
             r.store.regroup(r.plane.group, r.rank, r.world_size, r.plane.wait, contributes=not joining)
-        else:  # new bucket memory: gloo cannot cancel a collective of the old group, and a member frozen in it,
-            r.store.world_size = r.world_size  # once continued, completes it there (the survivors' copy would change)
+        else:
+            # new bucket memory: a member frozen in the old group, once continued, can complete the collectives the
+            # others left there (gloo cannot cancel them), which write into the memory they were given
+            r.store.world_size = r.world_size
             r.store.replan(None)
         self.on_regroup(group)
 
