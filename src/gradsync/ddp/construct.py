@@ -108,13 +108,14 @@ def _first_difference(reference: list[tuple], rows: list[tuple]) -> str:
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, wait: Callable,
-                        src_rank: int = 0, chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
+                        src_rank: int = 0, chunk_bytes: int = BROADCAST_CHUNK_BYTES, in_place: bool = True) -> None:
     """Overwrite ``tensors`` with group rank ``src_rank``'s values.
 
     Tensors of one device are packed as raw bytes into flat chunks of about ``chunk_bytes``, so
     the extra memory is one chunk, not a copy of everything, and a module's buffers of several
     dtypes (BatchNorm: float and int64) take one broadcast, one round trip per forward, instead
-    of one per dtype. A tensor alone in its chunk is sent in place.
+    of one per dtype. A tensor alone in its chunk is sent in place, unless ``in_place=False``
+    (an elastic model: a member frozen in a group the others left can complete the broadcast late).
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
@@ -122,7 +123,7 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, w
     src = dist.get_global_rank(group, src_rank)
     for same in by_device.values():
         for chunk in _chunks(same, chunk_bytes):
-            if len(chunk) == 1 and chunk[0].is_contiguous():
+            if in_place and len(chunk) == 1 and chunk[0].is_contiguous():
                 wait(dist.broadcast(chunk[0].detach(), src=src, group=group, async_op=True))
                 continue
             flat = torch.cat([_bytes(t.detach().reshape(-1)) for t in chunk])

@@ -133,10 +133,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         else:
             reducer.wait(handle, what)
 
-    def broadcast_tensors(self, tensors: list[torch.Tensor], src_rank: int = 0, timeout: timedelta | None = None) -> None:
+    def broadcast_tensors(self, tensors: list[torch.Tensor], src_rank: int = 0, timeout: timedelta | None = None, in_place=True) -> None:
         """Copy ``tensors`` from ``src_rank`` (an index in the wrapper's group) to every rank, bounded."""
         wait = self.wait if timeout is None else lambda work: self.wait(work, timeout=timeout)
-        broadcast_coalesced(tensors, self.process_group, wait, src_rank)
+        broadcast_coalesced(tensors, self.process_group, wait, src_rank, in_place=in_place)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if getattr(self, "superseded", False):
@@ -154,7 +154,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if buffers and (reducer.attached is None or reducer.attached.broken is None):
             try:
                 reducer.plane.exchange_header(FORWARD)  # a rank still in its backward must not meet a broadcast
-                self.broadcast_tensors(buffers, src)
+                self.broadcast_tensors(buffers, src, in_place=reducer.attached is None)  # elastic: through a copy
             except PeerFailure as exc:  # only with a commit protocol: local buffers until it re-forms
                 reducer.attached.lose_group(exc)
         if self.device_ids:  # a single-GPU module: inputs move to its device, as in torch
