@@ -16,7 +16,7 @@ import torch
 
 import gradsync
 
-POINTS = ["forward", "freeze", "freeze_during_reductions", "local_backward", "before_reductions", "during_reductions", "after_reductions",
+POINTS = ["forward", "freeze", "freeze_during_reductions", "freeze_in_step", "local_backward", "before_reductions", "during_reductions", "after_reductions",
           "after_commit", "optimizer_step", "step_vote", "mirror_pass", "corrupt", "auto_gather", "none"]
 
 
@@ -204,6 +204,17 @@ def main() -> None:
     if victim and args.point == "step_vote":  # --sharded: after the step's all-gathers, before its vote
         agree = gradsync.engine.protocol.Attachment.agree
         gradsync.engine.protocol.Attachment.agree = lambda self, what: die() if at("step_vote") else agree(self, what)
+    if victim and args.point == "freeze_in_step":  # --sharded: between the step's first and second all-gather
+        import gradsync.sharded.optim as sharded_optim
+        start, gathers = sharded_optim.start_all_gather, []
+
+        def gather(*a, **k):
+            if at("freeze_in_step", "last"):
+                gathers.append(1)
+                if len(gathers) == 2:
+                    freeze(args.out)
+            return start(*a, **k)
+        sharded_optim.start_all_gather = gather
     if victim and args.point == "mirror_pass":  # --sharded: the first bucket's all-to-all is in, its pass not sent
         import gradsync.sharded.launcher as sharded_launcher
         pass_on = sharded_launcher.pass_on
@@ -268,9 +279,10 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
-        if (args.plain or acc.is_boundary) and not args.sharded:  # what the buckets' collectives were given
+        if args.plain or acc.is_boundary:  # what the collectives were given: buckets, or sharded, the parameters
             memory.append((gradsync.elastic.membership.membership().generation, sorted(
-                (b.buffer if b.wire is None else b.wire).data_ptr() for b in model.reducer.store.buckets)))
+                b.flat_param.data_ptr() if args.sharded else (b.buffer if b.wire is None else b.wire).data_ptr()
+                for b in model.reducer.store.buckets)))
     events = [dataclasses.asdict(e) for e in gradsync.elastic.events()]
     torch.save({"params": [p.detach().cpu().clone() for p in net.parameters()], "members": gradsync.elastic.members(),
                 "bucket_choice": model.bucket_choice, "buckets": model.reducer.bucket_plan(),

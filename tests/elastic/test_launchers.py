@@ -129,14 +129,14 @@ def test_torchrun_a_killed_worker_restarts_only_its_group(tmp_path, job):
     check_finished(tmp_path, j, j.wait(deadline))
 
 
-@pytest.mark.slow  # a 5 s heartbeat timeout, then a restart: about 40 s
+@pytest.mark.slow  # a 5 s heartbeat timeout, then a restart: about 25 s each
 @pytest.mark.parametrize("point, sharded", [("freeze", False), ("freeze_during_reductions", False),
-                                           ("freeze_during_reductions", True)])
+                                           ("freeze_during_reductions", True), ("freeze_in_step", True)])
 def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, job, point, sharded):
-    """Replica a:1 stops (SIGSTOP, its heartbeat with it) before its forward, or inside its synced backward after
-    its header and first bucket (also sharded, with AdamW); the others leave it out once its beat stood still for
-    5 s and go on; when it is continued it finds itself left out and exits (what it sends in the old group changes
-    nothing of the others'), and torchrun restarts its group."""
+    """Replica a:1 stops (SIGSTOP, its heartbeat with it) before its forward, inside its synced backward after its
+    header and first bucket (also sharded, with AdamW), or, sharded, between its step's all-gathers; the others leave
+    it out once its beat stood still for 5 s and go on; when it is continued it finds itself left out and exits
+    (what it sends in the old group changes nothing of the others'), and torchrun restarts its group."""
     j = job()
     deadline = time.monotonic() + TIMEOUT
     for group in "ab":
@@ -147,7 +147,7 @@ def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, j
         time.sleep(0.1)
     os.kill(int((tmp_path / "frozen.pid").read_text()), signal.SIGCONT)
     check_finished(tmp_path, j, j.wait(deadline), adamw=sharded)
-    # the bucket memory a frozen member could still write into is never used again: each generation has its own
+    # the memory a frozen member could still write into is never used again: each generation has its own
     changed = 0
     for replica, result in survivors(tmp_path).items():
         by_generation = {}
@@ -156,7 +156,7 @@ def test_torchrun_a_frozen_worker_is_left_out_and_its_group_restarts(tmp_path, j
         ordered = [by_generation[g] for g in sorted(by_generation)]
         changed += max(len(ordered) - 1, 0)
         assert all(not (a & b) for a, b in zip(ordered, ordered[1:])), (replica, result["memory"])
-    assert changed or sharded, "no replica trained in two generations"  # (a sharded store records none)
+    assert changed, "no replica trained in two generations"
 
 
 def test_admission_refuses_another_job_a_twin_and_another_model(tmp_path, job):
