@@ -101,7 +101,7 @@ class BucketStore:
         """Lay the buckets out from ``order`` (every rank's the same) and ``caps`` (default: the current); ``None``: the
         same buckets in new memory (the window carried over), so that nothing written into the old one counts."""
         self.plan_order = list(order) if order is not None else self.plan_order
-        self.caps = caps or self.caps
+        self.caps = self.caps if caps is None else caps
         plan = plan_buckets(self.params, *self.caps, order) if order is not None else self.plan()
         if order is None or plan != self.plan():
             self._build(plan)
