@@ -42,18 +42,44 @@ def pairwise_all_to_all(out, x, rank, world, s):
     return Works([])
 
 
+def halving_doubling(x, rank, world, scratch):
+    """An all-reduce as recursive halving then doubling, one peer a round (log2 W rounds each way): at round d
+    rank r keeps the half of its range its bit d picks, sends the other to r ^ d and adds r ^ d's part. Each
+    element is summed in one binary tree over the ranks, ((a0 + a1) + (a2 + a3)), whatever the world size
+    (a power of two). Blocks."""
+    lo, hi, d, rounds = 0, x.numel(), 1, []
+    while d < world:
+        mid, peer = (lo + hi) // 2, rank ^ d
+        keep, give = ((lo, mid), (mid, hi)) if not rank & d else ((mid, hi), (lo, mid))
+        part = scratch[:keep[1] - keep[0]]
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x[give[0]:give[1]], peer),
+                                            dist.P2POp(dist.irecv, part, peer)]):
+            work.wait()
+        x[keep[0]:keep[1]].add_(part)
+        rounds.append((peer, keep, give))
+        (lo, hi), d = keep, d * 2
+    for peer, keep, give in reversed(rounds):
+        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, x[keep[0]:keep[1]], peer),
+                                            dist.P2POp(dist.irecv, x[give[0]:give[1]], peer)]):
+            work.wait()
+    return Works([])
+
+
 def rank_fn(rank, world, n, reps):
     torch.set_num_threads(1)
     if LINK is not None:
         netns.regroup_in(LINK[0][rank], LINK[1][rank], rank, world)
     s = n // world
     x, out, full, a2a = torch.randn(n), torch.empty(s), torch.empty(n), torch.empty(n)
+    scratch = torch.empty(n // 2)
     ops = {
         "all_reduce (reference)": lambda: dist.all_reduce(x, async_op=True),
         "reduce_scatter_single": lambda: dist.reduce_scatter_single(out, x, async_op=True),
         "all_to_all_single (sharded, CPU)": lambda: dist.all_to_all_single(a2a, x, async_op=True),
         "all-to-all as W - 1 pairwise rounds (blocking)": lambda: pairwise_all_to_all(a2a, x, rank, world, s),
         "reduce per owner": lambda: Works([dist.reduce(c, dst=j, async_op=True) for j, c in enumerate(x.split(s))]),
+        **({"all-reduce as recursive halving and doubling (pairwise, blocking)": lambda: halving_doubling(
+            x, rank, world, scratch)} if world & (world - 1) == 0 else {}),  # a peer rank ^ d exists: a power of two
         "all_gather_single": lambda: dist.all_gather_single(full, out, async_op=True),
         "all_gather_single in place": lambda: dist.all_gather_single(full, full[rank * s:(rank + 1) * s],
                                                                      async_op=True),
