@@ -200,7 +200,9 @@ def transfer(m: Any, acc: Any, reducer: Any, source: int) -> int:
         blob = torch.empty(int(size), dtype=torch.uint8)
     wait(dist.broadcast(blob, src=src, async_op=True))
     tensors = list(acc.model.parameters()) + list(acc.model.buffers())
-    broadcast_coalesced([t.data for t in tensors], dist.group.WORLD, wait, src)
+    # through a copy: a member frozen in this broadcast, left out and continued, can complete it late (gloo cannot
+    # cancel it) and would write into the parameters of whoever received it
+    broadcast_coalesced([t.data for t in tensors], dist.group.WORLD, wait, src, in_place=False)
     if m.replica_id != source:
         load_state(m, acc, reducer, torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False))
     return int(size) + sum(t.numel() * t.element_size() for t in tensors)
