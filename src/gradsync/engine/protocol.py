@@ -97,7 +97,7 @@ class Attachment:
             # new bucket memory: a member frozen in the old group, once continued, can complete the collectives the
             # others left there (gloo cannot cancel them), which write into the memory they were given
             r.store.world_size = r.world_size
-            r.store.replan(None)
+            r.store.renew()
         self.on_regroup(group)
 
     def agree(self, what: str) -> bool:

@@ -5,7 +5,7 @@ iteration state. The reducer calls ``copy_in(i)`` when a gradient is ready in a 
 (``copy_in_bucket`` once its bucket is complete), ``keep_local(i)`` in a local one (``local_ready(i)``
 per bucket with views), and ``write_back(bucket, result, counts)`` once a bucket's
 average is known; ``replan(order, caps)`` lays the buckets out again from an order every rank
-agreed on. ``ShardedBucketStore`` (``sharded/store.py``) is the same interface for
+agreed on, ``renew()`` in new memory. ``ShardedBucketStore`` (``sharded/store.py``) is the same interface for
 ZeRO-2-style shards.
 """
 from __future__ import annotations
@@ -26,8 +26,7 @@ class BucketStore:
     """Gradient buckets of full size, one per group of parameters, averaged by an all-reduce."""
 
     replans = True  # buckets may be laid out again from the observed gradient order
-    # the reducer copies a bucket's gradients in once all are ready (copy_in_bucket), and a local
-    # backward needs nothing per gradient, unless a window slot or a view stands in for .grad
+    # gradients copied in per bucket once all are ready; a local backward needs nothing per gradient, unless slots do
     copies_per_bucket = property(lambda self: self.main is None)
     keeps_local_per_grad = property(lambda self: self.main is not None)
     # a local .grad not its slot is copied in (local_ready, per bucket); reduce_dtype's slots take it per gradient
@@ -97,14 +96,15 @@ class BucketStore:
         """The current buckets as lists of parameter indices."""
         return [list(b.members) for b in self.buckets]
 
-    def replan(self, order: list[int] | None, caps: Caps | None = None) -> None:
-        """Lay the buckets out from ``order`` (every rank's the same) and ``caps`` (default: the current); ``None``: the
-        same buckets in new memory (the window carried over), so that nothing written into the old one counts."""
-        self.plan_order = list(order) if order is not None else self.plan_order
-        self.caps = self.caps if caps is None else caps
-        plan = plan_buckets(self.params, *self.caps, order) if order is not None else self.plan()
-        if order is None or plan != self.plan():
+    def replan(self, order: list[int], caps: Caps | None = None) -> None:
+        """Lay the buckets out from ``order`` (every rank's the same) and ``caps`` (default: the current)."""
+        self.plan_order, self.caps = list(order), self.caps if caps is None else caps
+        if (plan := plan_buckets(self.params, *self.caps, order)) != self.plan():
             self._build(plan)
+
+    def renew(self) -> None:
+        """The same buckets in new memory (the window carried over), so that nothing written into the old one counts."""
+        self._build(self.plan())
 
     def nbytes(self, bucket: Bucket) -> int:
         return bucket.buffer.numel() * bucket.buffer.element_size()
