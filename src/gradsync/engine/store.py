@@ -26,7 +26,7 @@ class BucketStore:
     """Gradient buckets of full size, one per group of parameters, averaged by an all-reduce."""
 
     replans = True  # buckets may be laid out again from the observed gradient order
-    # gradients copied in per bucket once all are ready; a local backward needs nothing per gradient, unless slots do
+    # copy-in once a bucket is complete (copy_in_bucket); a local backward: nothing per gradient, unless a slot or view is .grad
     copies_per_bucket = property(lambda self: self.main is None)
     keeps_local_per_grad = property(lambda self: self.main is not None)
     # a local .grad not its slot is copied in (local_ready, per bucket); reduce_dtype's slots take it per gradient
