@@ -782,3 +782,56 @@ def test_the_state_sent_to_a_joiner_never_reaches_a_parameter_itself(tmp_path):
     assert [line.split(":")[0] for line in lines] == ["replica 0 restart 0", "replica 1 restart 1"], proc.stdout
     assert all("into the parameter itself False" in line for line in lines), lines
     assert len({line.split("weight ")[1] for line in lines}) == 1, lines  # the joiner took the member's parameters
+
+
+FROZEN = """
+import os, signal, sys, time, torch, gradsync
+gradsync.elastic.init_process_group("gloo", timeout=30)
+me, out = gradsync.elastic.replica_id(), sys.argv[1]
+model = gradsync.DistributedDataParallel(torch.nn.Linear(4, 4))
+acc = gradsync.GradientAccumulator(model, steps=2)
+optimizer = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+for window in range(8):
+    for k in range(2):
+        with acc.accumulate():
+            if me == 1 and window == 3 and k == 1:  # inside the window, before its synced micro-step
+                open(os.path.join(out, "frozen"), "w").write(f"{os.getpid()} {time.time()}")
+                os.kill(os.getpid(), signal.SIGSTOP)
+            acc.backward(model(torch.ones(2, 4)).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+    if me == 0 and gradsync.elastic.members() == [0] and not os.path.exists(os.path.join(out, "left")):
+        pid, frozen_at = open(os.path.join(out, "frozen")).read().split()
+        open(os.path.join(out, "left"), "w").write(f"{time.time() - float(frozen_at):.2f}")
+        os.kill(int(pid), signal.SIGCONT)  # it finds itself left out and exits
+print(f"replica {me} finished with members {gradsync.elastic.members()}", flush=True)
+"""
+
+
+def test_gradsync_run_leaves_a_frozen_replica_out_after_its_beat_stood_still(tmp_path):
+    """A replica under ``gradsync run`` that stops (SIGSTOP) is left out once its own heartbeat stood still for 5 s,
+    not after the collective's timeout and then the re-form's (the launcher's beat says only that the machine lives);
+    continued, it finds itself left out and exits."""
+    script = tmp_path / "frozen.py"
+    script.write_text(FROZEN)
+    proc = run_cli(["run", "--replicas", "2", "--min-replicas", "1", str(script), str(tmp_path)], timeout=150)
+    assert "replica 0 finished with members [0]" in proc.stdout, proc.stderr[-3000:]
+    assert "replica 1 was left out" in proc.stderr, proc.stderr[-3000:]
+    took = float((tmp_path / "left").read_text())
+    assert took < 25, f"the frozen replica was left out {took:.1f} s after it stopped (its beat: 5 s; the timeout: 30 s)"
+
+
+@pytest.mark.slow  # 20 s of windows beside two busy processes
+def test_gradsync_run_no_false_eviction_beside_two_cpu_bound_processes(tmp_path):
+    """The replicas' own beats under ``gradsync run``: two replicas train for 20 s (four heartbeat timeouts) while
+    two processes spin on this machine's cores, and no replica is taken for gone."""
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        proc = launch(tmp_path, "--sleep", "0.1", replicas=2, min_replicas=1, windows=200, timeout=240)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    first = agreeing(survivors(tmp_path), [0, 1], proc.stderr)
+    assert first["events"] == [] and first["windows"] == 200

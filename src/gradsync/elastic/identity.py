@@ -107,17 +107,18 @@ def _refuse_a_twin(store: dist.Store, rid: int, group: str, local: int) -> None:
 
 
 class Liveness:
-    """How a replica ends: fast once it failed or holds groups of earlier generations; a launcher-less one
-    (``reports``) also beats and reports its own exit, which ``gradsync run`` does for its replicas."""
+    """How a replica ends: fast once it failed or holds groups of earlier generations. Every replica beats (under
+    ``gradsync run`` too, whose own beat says only that the machine lives: a frozen replica's stands still); a
+    launcher-less one (``reports``) also reports its own exit, which ``gradsync run`` does for its replicas."""
 
     def __init__(self, address: str, ident: Identity, store: dist.Store, reports: bool):
         self.store, self.exit_key, self.reports = store, f"{P}/exit/{ident.replica_id}/{ident.restart}", reports
         self.failed = False
         self.graveyard: list[Any] = []  # the membership's earlier groups (membership.py)
         self._stop = threading.Event()
-        if reports:  # its own connection: the beat must not queue behind the main thread's store calls
-            beat_store, key = connect(address, timedelta(seconds=30)), f"{P}/beat/{ident.replica_id}/{ident.restart}"
-            threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat", daemon=True).start()
+        # its own connection: the beat must not queue behind the main thread's store calls
+        beat_store, key = connect(address, timedelta(seconds=30)), f"{P}/beat/{ident.replica_id}/{ident.restart}"
+        threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat", daemon=True).start()
         hook = sys.excepthook
 
         def excepthook(*exc):
