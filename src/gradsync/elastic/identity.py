@@ -8,10 +8,10 @@ itself from the coordinator (``gradsync coordinator``):
 - its **replica id**: the coordinator hands out 0, 1, 2, ... in order of first arrival, one per
   (``GRADSYNC_GROUP``, ``LOCAL_RANK``), and the same id again to that pair after a restart;
 - its **restart**: how many times that id started before (0 on the first start);
-- its **liveness**: a thread writes a counter to ``gradsync/beat/<id>/<restart>`` every 0.5 s; a member whose beat
-  stood still for ``STALE`` seconds is taken for gone (a SIGKILLed or frozen process). The replica
-  also reports its own exit (``gradsync/exit/<id>/<restart>``) when it ends normally, by an uncaught
-  exception or by SIGTERM (what torchrun sends the rest of a group it restarts), so those cost no wait;
+- its **liveness**: a thread writes a counter to ``gradsync/beat/<id>/<restart>`` every 0.5 s (under ``gradsync run``
+  too: a frozen replica's launcher still beats); a member whose beat stood still for ``STALE`` seconds is taken for
+  gone (a SIGKILLed or frozen process). The replica also reports its own exit (``gradsync/exit/<id>/<restart>``)
+  when it ends normally, by an uncaught exception or by SIGTERM (what torchrun sends the rest of a group it restarts), so those cost no wait;
   a failed replica, or one holding groups of earlier generations, then ends at once (``os._exit``, after
   the atexit handlers registered after ``init_process_group``), not after gloo's timeout.
 """
