@@ -17,6 +17,7 @@ import io
 import json
 import logging
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -186,14 +187,69 @@ def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
     m.events, m.joins_seen = list(state["events"]), state["joins_seen"]
 
 
+class _Chunks:
+    """Where ``torch.save`` writes the state sent to a joiner: each record copied by torch, which releases the GIL (a
+    ``BytesIO`` copied and grew it under the GIL, ~3 s a GB, while this replica's heartbeat thread waited for it)."""
+
+    def __init__(self):
+        self.parts: list[torch.Tensor] = []
+
+    def write(self, data: Any) -> int:
+        if len(data):
+            with warnings.catch_warnings():  # a read-only view of the writer's memory, copied at once
+                warnings.simplefilter("ignore", UserWarning)
+                self.parts.append(torch.frombuffer(data, dtype=torch.uint8).clone())
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+class _Reader(io.RawIOBase):
+    """What ``torch.load`` reads the received state from: each record copied by torch out of the blob (GIL released)."""
+
+    def __init__(self, blob: torch.Tensor):
+        super().__init__()
+        self.blob, self.pos = blob, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = offset + (self.pos if whence == io.SEEK_CUR else self.blob.numel() if whence == io.SEEK_END else 0)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(min(len(buffer), self.blob.numel() - self.pos), 0)
+        if n:
+            torch.frombuffer(buffer, dtype=torch.uint8)[:n].copy_(self.blob[self.pos:self.pos + n])
+        self.pos += n
+        return n
+
+
+def serialized(obj: Any) -> torch.Tensor:
+    """``torch.save(obj)`` as a uint8 tensor, without holding the GIL for longer than a record's copy call."""
+    sink = _Chunks()
+    torch.save(obj, sink)
+    return torch.cat(sink.parts) if sink.parts else torch.empty(0, dtype=torch.uint8)
+
+
+def deserialized(blob: torch.Tensor) -> Any:
+    return torch.load(_Reader(blob), weights_only=False)
+
+
 def transfer(m: Any, acc: Any, reducer: Any, source: int) -> int:
     """Send (from ``source``) or receive the state; return the bytes each receiver got."""
     src = m.members.index(source)
     wait = lambda work: reducer.wait(work, "the state sent to a joining replica")  # noqa: E731
     if m.replica_id == source:
-        buffer = io.BytesIO()
-        torch.save(state_of(m, acc, reducer), buffer)
-        blob = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+        blob = serialized(state_of(m, acc, reducer))
     size = torch.tensor([blob.numel() if m.replica_id == source else 0], dtype=torch.int64)
     wait(dist.broadcast(size, src=src, async_op=True))
     if m.replica_id != source:
@@ -204,7 +260,7 @@ def transfer(m: Any, acc: Any, reducer: Any, source: int) -> int:
     # cancel it) and would write into the parameters of whoever received it
     broadcast_coalesced([t.data for t in tensors], dist.group.WORLD, wait, src, in_place=False)
     if m.replica_id != source:
-        load_state(m, acc, reducer, torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False))
+        load_state(m, acc, reducer, deserialized(blob))
     return int(size) + sum(t.numel() * t.element_size() for t in tensors)
 
 
