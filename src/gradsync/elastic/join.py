@@ -241,6 +241,7 @@ def serialized(obj: Any) -> torch.Tensor:
 
 
 def deserialized(blob: torch.Tensor) -> Any:
+    """The object ``serialized`` made ``blob`` of, each record copied out by torch."""
     return torch.load(_Reader(blob), weights_only=False)
 
 
