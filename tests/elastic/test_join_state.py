@@ -1,7 +1,7 @@
 """The state sent to a joiner (``elastic/join.py``): serialized and read back without holding the GIL for long.
 
-Each replica's heartbeat thread needs the GIL between its store calls, and a member whose beat stands still for 5 s
-is taken for gone. ``torch.save`` into a ``BytesIO`` held it about 3 s per GB while it grew the buffer, and
+A replica that beats itself (under torchrun, SLURM, Kubernetes) needs the GIL between its heartbeat's store calls, and
+a member whose beat stands still for 5 s is taken for gone. ``torch.save`` into a ``BytesIO`` held it about 3 s per GB while it grew the buffer, and
 ``torch.load`` of ``blob.numpy().tobytes()`` 6 s for 2 GB in one copy: a join of a model with a few GB of optimizer
 state could evict the replica that sent it or the one that received it.
 """

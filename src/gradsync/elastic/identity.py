@@ -8,10 +8,10 @@ itself from the coordinator (``gradsync coordinator``):
 - its **replica id**: the coordinator hands out 0, 1, 2, ... in order of first arrival, one per
   (``GRADSYNC_GROUP``, ``LOCAL_RANK``), and the same id again to that pair after a restart;
 - its **restart**: how many times that id started before (0 on the first start);
-- its **liveness**: a thread writes a counter to ``gradsync/beat/<id>/<restart>`` every 0.5 s (under ``gradsync run``
-  too: a frozen replica's launcher still beats); a member whose beat stood still for ``STALE`` seconds is taken for
-  gone (a SIGKILLed or frozen process). The replica also reports its own exit (``gradsync/exit/<id>/<restart>``)
-  when it ends normally, by an uncaught exception or by SIGTERM (what torchrun sends the rest of a group it restarts), so those cost no wait;
+- its **liveness**: a thread writes a counter to ``gradsync/beat/<id>/<restart>`` every 0.5 s; a member whose beat
+  stood still for ``STALE`` seconds is taken for gone (a SIGKILLed or frozen process). The replica
+  also reports its own exit (``gradsync/exit/<id>/<restart>``) when it ends normally, by an uncaught
+  exception or by SIGTERM (what torchrun sends the rest of a group it restarts), so those cost no wait;
   a failed replica, or one holding groups of earlier generations, then ends at once (``os._exit``, after
   the atexit handlers registered after ``init_process_group``), not after gloo's timeout.
 """
@@ -107,18 +107,17 @@ def _refuse_a_twin(store: dist.Store, rid: int, group: str, local: int) -> None:
 
 
 class Liveness:
-    """How a replica ends: fast once it failed or holds groups of earlier generations. Every replica beats (under
-    ``gradsync run`` too, whose own beat says only that the machine lives: a frozen replica's stands still); a
-    launcher-less one (``reports``) also reports its own exit, which ``gradsync run`` does for its replicas."""
+    """How a replica ends: fast once it failed or holds groups of earlier generations; a launcher-less one
+    (``reports``) also beats and reports its own exit, which ``gradsync run`` does for its replicas."""
 
     def __init__(self, address: str, ident: Identity, store: dist.Store, reports: bool):
         self.store, self.exit_key, self.reports = store, f"{P}/exit/{ident.replica_id}/{ident.restart}", reports
         self.failed = False
         self.graveyard: list[Any] = []  # the membership's earlier groups (membership.py)
         self._stop = threading.Event()
-        # its own connection: the beat must not queue behind the main thread's store calls
-        beat_store, key = connect(address, timedelta(seconds=30)), f"{P}/beat/{ident.replica_id}/{ident.restart}"
-        threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat", daemon=True).start()
+        if reports:  # its own connection: the beat must not queue behind the main thread's store calls
+            beat_store, key = connect(address, timedelta(seconds=30)), f"{P}/beat/{ident.replica_id}/{ident.restart}"
+            threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat", daemon=True).start()
         hook = sys.excepthook
 
         def excepthook(*exc):

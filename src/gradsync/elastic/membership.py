@@ -170,18 +170,15 @@ class StoreMembership:
         return f"{self.restart}:{self.machine}"
 
     def _exited(self, m: int) -> bool:
-        """Member ``m``'s process ended (it or its launcher said so) or stopped beating (frozen, or killed where no
-        launcher reports it), or its launcher on another machine stopped beating (that machine died)."""
-        start = self.incarnation.get(m, -1)
-        if self.store.check([f"{P}/exit/{m}/{start}"]):
-            return True
-        beats, still = self.heartbeats.look(f"{P}/beat/{m}/{start}")  # every replica beats itself (identity.py)
-        if beats > 0 and still > STALE:
+        """Member ``m``'s process ended (its launcher said so), or its launcher stopped beating."""
+        if self.store.check([f"{P}/exit/{m}/{self.incarnation.get(m, -1)}"]):
             return True
         machine = self.machine_of.get(m)
-        if machine is None or machine < 0 or machine == self.machine:
+        if machine is None or machine == self.machine >= 0:
             return False
-        beats, still = self.heartbeats.look(f"{P}/heartbeat/{machine}")
+        # a replica without a launcher beats itself (identity.py); else its launcher beats for it
+        key = f"{P}/beat/{m}/{self.incarnation.get(m, -1)}" if machine < 0 else f"{P}/heartbeat/{machine}"
+        beats, still = self.heartbeats.look(key)
         return beats > 0 and still > STALE
 
     def broken(self, failure: BaseException) -> None:
