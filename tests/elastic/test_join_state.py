@@ -1,4 +1,5 @@
-"""The state sent to a joiner (``elastic/join.py``): serialized and read back without holding the GIL for long.
+"""``serialized``/``deserialized`` (``engine/collectives.py``): the state sent to a joiner and what members hold at a
+re-shard, as bytes and back, without holding the GIL for long.
 
 A replica that beats itself (under torchrun, SLURM, Kubernetes) needs the GIL between its heartbeat's store calls, and
 a member whose beat stands still for 5 s is taken for gone. ``torch.save`` into a ``BytesIO`` held it about 3 s per GB while it grew the buffer, and
@@ -11,7 +12,7 @@ import time
 import pytest
 import torch
 
-from gradsync.elastic.join import deserialized, serialized
+from gradsync.engine.collectives import deserialized, serialized
 
 
 def test_the_state_round_trips():

@@ -13,11 +13,9 @@ membership's events and whatever was registered with ``gradsync.elastic.register
 from __future__ import annotations
 
 import dataclasses
-import io
 import json
 import logging
 import time
-import warnings
 from typing import Any
 
 import torch
@@ -25,6 +23,7 @@ import torch.distributed as dist
 
 from .. import process
 from ..ddp.construct import broadcast_coalesced
+from ..engine.collectives import deserialized, serialized
 from ..engine.errors import PeerFailure
 from ..engine.launcher import saved_state
 from .identity import FAILED, FINISHED, AdmissionError
@@ -185,64 +184,6 @@ def load_state(m: Any, acc: Any, reducer: Any, state: dict[str, Any]) -> None:
     reducer.attached.load_progress(state["counters"])
     reducer.attached.load_layout(state["layout"])
     m.events, m.joins_seen = list(state["events"]), state["joins_seen"]
-
-
-class _Chunks:
-    """Where ``torch.save`` writes the state sent to a joiner: each record copied by torch, which releases the GIL (a
-    ``BytesIO`` copied and grew it under the GIL, ~3 s a GB, while this replica's heartbeat thread waited for it)."""
-
-    def __init__(self):
-        self.parts: list[torch.Tensor] = []
-
-    def write(self, data: Any) -> int:
-        if len(data):
-            with warnings.catch_warnings():  # a read-only view of the writer's memory, copied at once
-                warnings.simplefilter("ignore", UserWarning)
-                self.parts.append(torch.frombuffer(data, dtype=torch.uint8).clone())
-        return len(data)
-
-    def flush(self) -> None:
-        pass
-
-
-class _Reader(io.RawIOBase):
-    """What ``torch.load`` reads the received state from: each record copied by torch out of the blob (GIL released)."""
-
-    def __init__(self, blob: torch.Tensor):
-        super().__init__()
-        self.blob, self.pos = blob, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        self.pos = offset + (self.pos if whence == io.SEEK_CUR else self.blob.numel() if whence == io.SEEK_END else 0)
-        return self.pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def readinto(self, buffer: Any) -> int:
-        n = max(min(len(buffer), self.blob.numel() - self.pos), 0)
-        if n:
-            torch.frombuffer(buffer, dtype=torch.uint8)[:n].copy_(self.blob[self.pos:self.pos + n])
-        self.pos += n
-        return n
-
-
-def serialized(obj: Any) -> torch.Tensor:
-    """``torch.save(obj)`` as a uint8 tensor, without holding the GIL for longer than a record's copy call."""
-    sink = _Chunks()
-    torch.save(obj, sink)
-    return torch.cat(sink.parts) if sink.parts else torch.empty(0, dtype=torch.uint8)
-
-
-def deserialized(blob: torch.Tensor) -> Any:
-    """The object ``serialized`` made ``blob`` of, each record copied out by torch."""
-    return torch.load(_Reader(blob), weights_only=False)
 
 
 def transfer(m: Any, acc: Any, reducer: Any, source: int) -> int:

@@ -1,4 +1,5 @@
-"""The collectives the sharded store and the wire hooks share, under the names of this torch.
+"""The collectives the sharded store and the wire hooks share, under the names of this torch, and objects as the
+bytes a collective sends (``serialized``: the state a joiner receives, what members hold at a re-shard).
 
 On CPU (gloo, torch 2.13) ``reduce_scatter_single`` clones its input and all-reduces the whole buffer,
 and ``all_gather_single`` copies through a staging buffer; an all-to-all and one broadcast per owner
@@ -6,6 +7,8 @@ move the same bytes faster (``exchanges``).
 """
 from __future__ import annotations
 
+import io
+import warnings
 from typing import Any
 
 import torch
@@ -35,4 +38,62 @@ def start_all_gather(flat: torch.Tensor, shard_numel: int, rank: int, group: Any
             for j, chunk in enumerate(flat.split(shard_numel))]
 
 
-__all__ = ["all_gather", "exchanges", "reduce_scatter", "start_all_gather"]
+class _Chunks:
+    """Where ``torch.save`` writes: each record copied by torch, which releases the GIL (a ``BytesIO`` copied and grew
+    it under the GIL, ~3 s a GB, while a replica's heartbeat thread waited for it)."""
+
+    def __init__(self):
+        self.parts: list[torch.Tensor] = []
+
+    def write(self, data: Any) -> int:
+        if len(data):
+            with warnings.catch_warnings():  # a read-only view of the writer's memory, copied at once
+                warnings.simplefilter("ignore", UserWarning)
+                self.parts.append(torch.frombuffer(data, dtype=torch.uint8).clone())
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+
+class _Reader(io.RawIOBase):
+    """What ``torch.load`` reads a blob from: each record copied out by torch (GIL released)."""
+
+    def __init__(self, blob: torch.Tensor):
+        super().__init__()
+        self.blob, self.pos = blob, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.pos = offset + (self.pos if whence == io.SEEK_CUR else self.blob.numel() if whence == io.SEEK_END else 0)
+        return self.pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, buffer: Any) -> int:
+        n = max(min(len(buffer), self.blob.numel() - self.pos), 0)
+        if n:
+            torch.frombuffer(buffer, dtype=torch.uint8)[:n].copy_(self.blob[self.pos:self.pos + n])
+        self.pos += n
+        return n
+
+
+def serialized(obj: Any) -> torch.Tensor:
+    """``torch.save(obj)`` as a uint8 tensor, without holding the GIL for longer than a record's copy call."""
+    sink = _Chunks()
+    torch.save(obj, sink)
+    return torch.cat(sink.parts) if sink.parts else torch.empty(0, dtype=torch.uint8)
+
+
+def deserialized(blob: torch.Tensor) -> Any:
+    """The object ``serialized`` made ``blob`` of, each record copied out by torch."""
+    return torch.load(_Reader(blob), weights_only=False)
+
+
+__all__ = ["all_gather", "deserialized", "exchanges", "reduce_scatter", "serialized", "start_all_gather"]

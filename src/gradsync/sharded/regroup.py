@@ -19,13 +19,13 @@ together take a shard with them: that raises.
 """
 from __future__ import annotations
 
-import pickle
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ..engine.collectives import deserialized, serialized
 from .comm import fold
 
 
@@ -95,14 +95,14 @@ def padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
 def gather(obj: Any, group: Any, world_size: int, wait: Callable[[Any, str], None]) -> list[Any]:
     """``obj`` of every rank of ``group`` (a CPU group), each wait bounded by ``wait`` (a member that dies
     meanwhile ends it at once, where ``all_gather_object`` would wait out the group's timeout)."""
-    blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    blob = serialized(obj)  # not pickle: its copies of GBs of optimizer state held the GIL (and stilled the heartbeat)
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
     wait(dist.all_gather(sizes, torch.tensor([blob.numel()]), group=group, async_op=True), "the re-shard's sizes")
     top = max(int(s) for s in sizes)
     out = [torch.empty(top, dtype=torch.uint8) for _ in range(world_size)]
     wait(dist.all_gather(out, torch.cat([blob, blob.new_zeros(top - blob.numel())]), group=group, async_op=True),
          "the re-shard")
-    return [pickle.loads(o[:int(s)].numpy().tobytes()) for o, s in zip(out, sizes)]
+    return [deserialized(o[:int(s)]) for o, s in zip(out, sizes)]
 
 
 def reshard(store: Any, group: Any, rank: int, world_size: int, wait: Callable[[Any, str], None],
