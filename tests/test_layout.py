@@ -17,7 +17,7 @@ import gradsync
 
 PACKAGE = Path(gradsync.__file__).parent
 TIERS = [{"_torch", "_torch_range", "process", "tree"}, {"engine"}, {"ddp", "hooks", "deterministic"},
-         {"accumulate", "sharded", "elastic", "chunked", "overlap", "__init__"}, {"lightning"}, {"tools"}]
+         {"accumulate", "sharded", "elastic", "chunked", "overlap", "audit", "__init__"}, {"lightning"}, {"tools"}]
 # "__init__": a name taken from ``gradsync`` itself, the public face of every tier up to the features
 ADAPTERS = {"_torch.py": "torch", "lightning/_lightning.py": "lightning"}  # the only homes of private names
 MAX_LINES = 330

@@ -2,8 +2,8 @@
 
 ``engine`` is one gradient's trip (buckets, the reducer, the launcher, the control plane);
 ``ddp`` is torch's face on it (the wrapper, construction, ``replace_torch_ddp``, join, compile);
-``hooks`` is the comm-hook catalogue; ``accumulate``, ``sharded``, ``elastic``, ``chunked`` and
-``overlap`` are features on top; ``tools`` (command line, demo, benchmarks) is not imported here.
+``hooks`` is the comm-hook catalogue; ``accumulate``, ``sharded``, ``elastic``, ``chunked``,
+``overlap`` and ``audit`` are features on top; ``tools`` (command line, demo, benchmarks) is not imported here.
 docs/architecture.md walks through the tree.
 """
 from ._torch_range import UntestedTorchWarning, warn_if_untested
@@ -16,13 +16,14 @@ from .ddp import DDP, DistributedDataParallel, replace_torch_ddp
 from .accumulate import GradientAccumulator
 from .chunked import Chunked
 from .overlap import overlap_optimizer
+from .audit import AuditReport, audit
 from .sharded import ShardedDataParallel, ShardedOptimizer
 from . import elastic
 
 __version__ = "0.1.0"
 __all__ = [
-    "Chunked", "DDP", "DistributedDataParallel", "GradBucket", "GradientAccumulator",
+    "AuditReport", "Chunked", "DDP", "DistributedDataParallel", "GradBucket", "GradientAccumulator",
     "ReplicaMismatchError", "ShardedDataParallel", "ShardedOptimizer", "SyncError", "UntestedTorchWarning", "elastic",
-    "allreduce_hook", "bf16_compress_hook", "bf16_wire_hook", "fp16_compress_hook", "noop_hook",
+    "allreduce_hook", "audit", "bf16_compress_hook", "bf16_wire_hook", "fp16_compress_hook", "noop_hook",
     "overlap_optimizer", "replace_torch_ddp",
 ]

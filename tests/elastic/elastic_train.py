@@ -17,7 +17,7 @@ import torch
 import gradsync
 
 POINTS = ["forward", "freeze", "freeze_during_reductions", "freeze_in_step", "local_backward", "before_reductions", "during_reductions", "after_reductions",
-          "after_commit", "optimizer_step", "step_vote", "mirror_pass", "corrupt", "auto_gather", "none"]
+          "after_commit", "optimizer_step", "step_vote", "mirror_pass", "corrupt", "auto_gather", "audit", "none"]
 
 
 def build_model(buffers: bool = False, width: int = 16, spare: bool = False) -> torch.nn.Module:
@@ -123,6 +123,8 @@ def main() -> None:
                         "(after the optimizer_step point: a kill there is found in its all-reduce)")
     parser.add_argument("--delay", action="store_true", help="delay_all_reduce_named_params: the last layer's")
     parser.add_argument("--spare", action="store_true", help="a parameter the forward never uses")
+    parser.add_argument("--audit", action="store_true", help="gradsync.audit after each window's step (point audit: "
+                        "the victim dies inside it, after its micro-batch arrived)")
     parser.add_argument("--ddp", action="append", default=[], help="a DDP option as NAME=VALUE (Python literal), "
                         "e.g. gradient_as_bucket_view=True, bucket_cap_mb='auto'")
     args = parser.parse_args()
@@ -164,6 +166,7 @@ def main() -> None:
     if not args.plain:
         optimizer = acc.wrap_optimizer(optimizer)
     state = {"window": -1, "step": -1, "last": False}
+    audits = []  # (window, whether its audit completed)
 
     def at(point: str, step: int | str | None = None) -> bool:
         """Whether the victim is at ``point`` of micro-step ``step`` ("last": the window's synced one)."""
@@ -279,6 +282,13 @@ def main() -> None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
+        if args.audit and (args.plain or acc.is_boundary):
+            def audit_loss(module, batch):
+                if at("audit"):
+                    die()
+                return torch.nn.functional.mse_loss(module(batch[0]), batch[1])
+            batch = tuple(t.to(device) for t in micro_batch(0, w, 0, False))
+            audits.append((w, gradsync.audit(model, audit_loss, batch).complete))
         if args.plain or acc.is_boundary:  # what the collectives were given: buckets, or sharded, the parameters
             memory.append((gradsync.elastic.membership.membership().generation, sorted(
                 b.flat_param.data_ptr() if args.sharded else (b.buffer if b.wire is None else b.wire).data_ptr()
@@ -289,7 +299,7 @@ def main() -> None:
                 "buckets_reduced": model.reducer.skips.reduced,
                 "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
                 "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict(),
-                "memory": memory}, os.path.join(args.out, f"{me}.pt"))
+                "memory": memory, "audits": audits}, os.path.join(args.out, f"{me}.pt"))
 
 
 if __name__ == "__main__":

@@ -147,6 +147,12 @@ def test_kill_after_the_commit_keeps_the_window_of_the_dead_replica(tmp_path, po
     check_run(tmp_path, proc, victim=1, window=2)
 
 
+def test_a_replica_that_dies_inside_an_audit_leaves_it_incomplete_and_the_job_goes_on(tmp_path):
+    proc = launch(tmp_path, "--victim", "1", "--window", "1", "--point", "audit", "--audit")
+    results = check_run(tmp_path, proc, victim=1, window=2)  # its window 1 was committed and stepped
+    assert all(r["audits"] == [(0, True), (1, False), (2, True), (3, True)] for r in results.values()), results
+
+
 # a parameter no replica uses, in a bucket of its own that no replica all-reduces from the second synced backward on
 SKIP_UNUSED = ["--spare", "--ddp", "find_unused_parameters=True", "--ddp", "skip_all_reduce_unused_params=True"]
 OPTIONS = {"views": ["--ddp", "gradient_as_bucket_view=True"], "bf16": ["--bf16"], "static": ["--ddp", "static_graph=True"],

@@ -91,9 +91,9 @@ def serialized(obj: Any) -> torch.Tensor:
     return torch.cat(sink.parts) if sink.parts else torch.empty(0, dtype=torch.uint8)
 
 
-def deserialized(blob: torch.Tensor) -> Any:
-    """The object ``serialized`` made ``blob`` of, each record copied out by torch."""
-    return torch.load(_Reader(blob), weights_only=False)
+def deserialized(blob: torch.Tensor, map_location: Any = None) -> Any:
+    """The object ``serialized`` made ``blob`` of, each record copied out by torch (``map_location``: torch.load's)."""
+    return torch.load(_Reader(blob), map_location=map_location, weights_only=False)
 
 
 __all__ = ["all_gather", "deserialized", "exchanges", "reduce_scatter", "serialized", "start_all_gather"]

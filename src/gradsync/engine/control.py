@@ -43,7 +43,7 @@ from .errors import PeerFailure, SyncError
 from .groups import control_group
 from .messages import foreign_header, out_of_step, phase_mismatch, phases_out_of_step
 
-FORWARD, BACKWARD = 1, 2  # a joined rank shadowing the others writes a row of zeros
+FORWARD, BACKWARD, AUDIT = 1, 2, 3  # a joined rank shadowing the others writes a row of zeros; AUDIT: audit.py
 PAYLOAD = 4  # float64 slots per rank in a header
 
 
@@ -320,11 +320,11 @@ class Verdict:
 def check_phases(rows: list[tuple[int, int, int]], *, rank: int, active: Sequence[int]) -> None:
     """Raise on every rank unless the active ranks are in the same phase and no other rank is."""
     idle = [r for r in range(len(rows)) if r not in active]
-    if any(any(rows[r]) for r in idle) or any(rows[r][0] not in (FORWARD, BACKWARD) for r in active):
+    if any(any(rows[r]) for r in idle) or any(rows[r][0] not in (FORWARD, BACKWARD, AUDIT) for r in active):
         raise SyncError(foreign_header(rows, rank=rank, active=active))
     if len({rows[r] for r in active}) != 1:
-        raise SyncError(phases_out_of_step([(r, rows[r][0] == FORWARD, rows[r][1], rows[r][2]) for r in active]))
+        raise SyncError(phases_out_of_step([(r, rows[r][0], rows[r][1], rows[r][2]) for r in active]))
 
 
-__all__ = ["BACKWARD", "FORWARD", "PAYLOAD", "ControlPlane", "Counters", "Verdict", "bounded_wait",
+__all__ = ["AUDIT", "BACKWARD", "FORWARD", "PAYLOAD", "ControlPlane", "Counters", "Verdict", "bounded_wait",
            "control_tensor", "empty_control", "header_tensor"]

@@ -85,12 +85,13 @@ def foreign_header(rows: list[tuple[int, int, int]], *, rank: int, active: Seque
             "its own. The process group is out of step; restart the job from a checkpoint.")
 
 
-def phases_out_of_step(phases: list[tuple[int, bool, int, int]]) -> str:
-    """``phases``: (rank, in a forward, its forward count, its backward count) of each active rank."""
-    detail = ", ".join(f"rank {r} started forward {f + 1} (after backward {b})" if forward else
-                       f"rank {r} is finishing backward {b} (after forward {f})" for r, forward, f, b in phases)
+def phases_out_of_step(phases: list[tuple[int, int, int, int]]) -> str:
+    """``phases``: (rank, its header's kind: 1 forward, 2 backward, 3 audit, its forward count, its backward count)."""
+    where = {1: "started forward {f1} (after backward {b})", 2: "is finishing backward {b} (after forward {f})",
+             3: "is in gradsync.audit (after forward {f}, backward {b})"}
+    detail = ", ".join(f"rank {r} " + where[kind].format(f=f, f1=f + 1, b=b) for r, kind, f, b in phases)
     return (f"gradsync: the ranks are out of step: {detail}. A rank skipped a backward (a training "
             "forward with gradients enabled counts as one that needs a backward), skipped a "
-            "micro-step, ran a different number of micro-steps in an accumulation window, or entered "
-            "no_sync() when another did not. Detected on every rank before any gradient was applied; "
+            "micro-step, ran a different number of micro-steps in an accumulation window, entered "
+            "no_sync() or called gradsync.audit() when another did not. Detected on every rank before any gradient was applied; "
             "the process group is out of step, restart the job from a checkpoint.")

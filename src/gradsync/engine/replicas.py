@@ -161,14 +161,18 @@ class ReplicaCheck:
         """One more exchange, made only after a mismatch: which parameters of ``buckets`` differ."""
         members = [i for k in buckets for i in self.store.buckets[k].members]
         params = self.store.params
-        mine = torch.stack([fingerprint([params[i]]) for i in members]).view(torch.int32).to(plane.device)
-        w, m = plane.world_size, mine.numel()
-        table = torch.zeros(w * m, dtype=torch.int32, device=plane.device)
-        table[plane.rank * m:(plane.rank + 1) * m] = mine
-        plane.wait(dist.all_reduce(table, group=plane.group, async_op=True), "the parameters' fingerprints")
-        rows = table.cpu().view(w, m).contiguous().view(torch.int64)
+        rows = gathered(torch.stack([fingerprint([params[i]]) for i in members]), plane, "the parameters' fingerprints")
         by_rank = {r: rows[r].tolist() for r in active}
         return [self.names[members[j]] for j in disagreeing(by_rank, len(members))[0]]
+
+
+def gathered(mine: torch.Tensor, plane: Any, what: str) -> torch.Tensor:
+    """Every rank's int64 ``mine``, one row per rank: an all-reduce of a table whose rows only their rank fills."""
+    w, m = plane.world_size, 2 * mine.numel()
+    table = torch.zeros(w * m, dtype=torch.int32, device=plane.device)
+    table[plane.rank * m:(plane.rank + 1) * m] = mine.view(torch.int32).to(plane.device)
+    plane.wait(dist.all_reduce(table, group=plane.group, async_op=True), what)
+    return table.cpu().view(w, m).contiguous().view(torch.int64)
 
 
 def disagreeing(values: dict[int, list[int]], n: int) -> tuple[list[int], set[int]]:
@@ -206,4 +210,4 @@ def mismatch_text(ranks: list[int], active: list[int], sync: int, params: list[i
             f"a checkpoint saved before synced backward {max(sync - 2 - lag, 0)}.")
 
 
-__all__ = ["ReplicaCheck", "disagreeing", "fingerprint", "mismatch_text", "summed", "who", "words"]
+__all__ = ["ReplicaCheck", "disagreeing", "fingerprint", "gathered", "mismatch_text", "summed", "who", "words"]
