@@ -147,6 +147,16 @@ def test_kill_after_the_commit_keeps_the_window_of_the_dead_replica(tmp_path, po
     check_run(tmp_path, proc, victim=1, window=2)
 
 
+def test_a_replica_stopped_under_gradsync_run_is_killed_by_its_launcher_and_left_out(tmp_path):
+    """SIGSTOP before its forward: its launcher beats for the machine, so the others could not tell it from a live
+    replica until the collective's timeout and then the re-form's (30 s each here); the launcher sees it stopped and
+    kills it after 5 s, and the survivors go on as after a kill in its forward."""
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "freeze")
+    check_run(tmp_path, proc, victim=2, window=1)
+    assert "replica 2 (restart 0) has been stopped (SIGSTOP) for 5 s; killing it" in proc.stderr, proc.stderr[-3000:]
+    assert "replica 2 (restart 0) died with SIGKILL" in proc.stderr
+
+
 def test_a_replica_that_dies_inside_an_audit_leaves_it_incomplete_and_the_job_goes_on(tmp_path):
     proc = launch(tmp_path, "--victim", "1", "--window", "1", "--point", "audit", "--audit")
     results = check_run(tmp_path, proc, victim=1, window=2)  # its window 1 was committed and stepped

@@ -39,6 +39,9 @@ from gradsync.tools.elastic.forkserver import Forked, ForkServer, supported
 POLL_S = 0.02  # a death is on the critical path of recovery: report it within tens of ms
 HEARTBEAT_S = 0.5
 GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
+# a replica stopped by a signal (SIGSTOP) this long is killed: the launcher beats for its machine, so the others'
+# heartbeat check cannot tell it from a live one (elastic/membership.py: the same 5 s a silent machine gets)
+STOPPED_S = 5.0
 CONNECT_S = 60.0
 
 
@@ -114,6 +117,16 @@ class Replica:
     ended_by_us: bool = False  # the launcher ended it: its exit is no failure
     kill_at: float | None = None  # SIGKILL if still alive then
     returncode: int | None = None
+    stopped_polls: int = 0  # consecutive polls that found it stopped
+
+
+def stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped by a signal: state T in ``/proc`` (not a debugger's tracing stop, t)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] == b"T"
+    except (OSError, IndexError):  # gone, or no /proc: not stopped
+        return False
 
 
 def describe(code: int) -> str:
@@ -209,6 +222,13 @@ def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica],
         for rep in running:
             code = rep.proc.poll()
             if code is None:
+                # counted in polls, not seconds: a launcher stopped with its replicas (a suspended job) and continued
+                # with them sees them running again at its next poll
+                rep.stopped_polls = rep.stopped_polls + 1 if stopped(rep.proc.pid) else 0
+                if rep.stopped_polls == round(STOPPED_S / POLL_S):
+                    print(f"gradsync run: replica {rep.rid} (restart {rep.restart}) has been stopped (SIGSTOP) for "
+                          f"{STOPPED_S:g} s; killing it so that the others go on without it", file=sys.stderr)
+                    terminate(rep, signal.SIGKILL)
                 continue
             store.set(f"gradsync/exit/{rep.rid}/{rep.restart}", str(code))
             rep.returncode = code
