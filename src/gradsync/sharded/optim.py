@@ -57,14 +57,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     ``prefetch=True`` (opt-in) lets ``step()`` return before the parameter all-gathers finish:
     each bucket's is waited just before a torch function first uses memory of that bucket (a
     ``TorchFunctionMode`` checks the tensor arguments of every torch function until the end of the
-    wrapper's next forward, a few microseconds per op), and everything is waited at the end of that
-    forward, at the next ``step()`` and in ``state_dict()``/``load_state_dict()``. Memory read
-    without a torch function (raw pointers, ``torch.distributed`` calls on parameters) needs
-    ``wait_for_params()`` first. Under ``torch.compile`` everything is waited at forward entry.
+    wrapper's next forward, a few microseconds per op), and everything is waited at the end of that forward,
+    at the next ``step()`` and in ``state_dict()``/``load_state_dict()``. Memory read without a torch function
+    (raw pointers, ``torch.distributed`` calls on parameters) needs ``wait_for_params()`` first. Under
+    ``torch.compile`` everything is waited at forward entry.
 
-    On an elastic model (``gradsync.elastic``) the store mirrors the shards (``regroup.py``): ``mirror`` then
-    holds the next rank's shard, stepped alike, and a re-shard rebuilds both sides (``lay_sides``); the
-    all-gathers are waited in ``step()``, where a peer's failure is recovered.
+    On an elastic model (``gradsync.elastic``) the store mirrors the shards (``regroup.py``): ``mirror`` then holds
+    the next rank's shard, stepped alike (while the own shard's all-gather runs), and a re-shard rebuilds both sides
+    (``lay_sides``); the all-gathers are waited in ``step()``, where a peer's failure is recovered.
     """
 
     sharded = True  # its state moves with the model's shards (a member that joins receives it as they re-shard)
@@ -195,26 +195,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         reducer, store = self.reducer, self.reducer.store
         store.check_ready_to_step()
-        sides = [self.own] if self.mirror is None else [self.own, self.mirror]
         if self.mirror is not None:  # the next rank's shard, stepped alike: kept should that rank leave
             for group, theirs in zip(self.optimizer.param_groups, self.mirror.optimizer.param_groups):
                 theirs.update((k, v) for k, v in group.items() if k != "params")  # a scheduler edits ours
-        for side in sides:
-            for piece in side.pieces:
-                piece.tensor.grad = None
-        # bucket by bucket (the optimizer is element-wise), so that each bucket's all-gather runs
-        # while the optimizer steps the next one
+        for piece in self._pieces + (self.mirror.pieces if self.mirror is not None else []):
+            piece.tensor.grad = None
+        # bucket by bucket (the optimizer is element-wise): each bucket's all-gather runs while the next one steps
         works: dict[int, list] = {}
         failure = None  # with a commit protocol: a peer left during the all-gathers; every shard steps anyway
         for b, master in zip(reducer.buckets, self._masters):
-            for side in sides:
-                stepped = [p for p in side.by_bucket[b.index] if store.has_grad[p.param]]
-                for piece in stepped:
-                    piece.tensor.grad = piece.grad
-                if stepped:
-                    side.optimizer.step()
-                for piece in stepped:
-                    piece.tensor.grad = None
+            self._step_bucket(self.own, b)
             start, end = store.shard_range(b)
             own = b.flat_param[start:end]
             if master is not own:
@@ -225,6 +215,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                       reducer.launcher.exchange)
                 except (RuntimeError, dist.DistError) as exc:
                     failure = self._lost(exc)
+            if self.mirror is not None:  # its own copy of the next rank's shard: stepped while this all-gather runs
+                self._step_bucket(self.mirror, b)
         for piece in self._pieces:
             piece.tensor.grad = piece.grad if store.has_grad[piece.param] else None
         if failure is None and not (self.prefetch and reducer.attached is None and store.gathers.defer(works)):
@@ -239,6 +231,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if failure is not None:  # the survivors re-form and re-shard: every parameter comes from its holder
             reducer.attached.recover(failure)
         return loss
+
+    def _step_bucket(self, side: _Side, b: Any) -> None:
+        stepped = [piece for piece in side.by_bucket[b.index] if self.reducer.store.has_grad[piece.param]]
+        for piece in stepped:
+            piece.tensor.grad = piece.grad
+        if stepped:
+            side.optimizer.step()
+        for piece in stepped:
+            piece.tensor.grad = None
 
     def _lost(self, exc: BaseException) -> BaseException:
         """A failed all-gather: re-raised without a commit protocol, else recovered once every shard stepped."""
@@ -279,11 +280,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups = state_dict["param_groups"]
         if [list(g["params"]) for g in groups] != self._group_params:
             raise ValueError(
-                "gradsync: the optimizer state's parameter groups "
-                f"{[list(g['params']) for g in groups]} do not match this optimizer's "
-                f"{self._group_params}; build the optimizer with the same param_groups (same parameters "
-                "in the same order) as the one that saved the state"
-            )
+                f"gradsync: the optimizer state's parameter groups {[list(g['params']) for g in groups]} do not match "
+                f"this optimizer's {self._group_params}; build the optimizer with the same param_groups (same "
+                "parameters in the same order) as the one that saved the state")
         mirrored = [(self.mirror.optimizer, self.mirror.pieces)] if self.mirror is not None else []
         for optimizer, pieces in [(self.optimizer, self._pieces)] + mirrored:
             state = {}
