@@ -25,6 +25,7 @@ import os
 import runpy
 import signal
 import sys
+import warnings
 
 from ..._torch import OPTIMIZER_IMPORTS, cuda_fork_poisoned
 
@@ -160,8 +161,14 @@ def _run(argv: list[str], env: dict[str, str]) -> None:
     os.environ.update(env)
     if cuda_fork_poisoned():  # a parent asked the CUDA driver before the fork: only a new interpreter can use it
         os.execve(sys.executable, [sys.executable, *argv], env)
+    torch = sys.modules["torch"]
+    # the first use of torch's thread pool after a fork replaces the parent's, and two threads racing to it see none
+    # (a comm hook's callback on gloo's thread raised "Invalid thread pool!"): make that first use here, alone
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch says it leaks the parent's pool
+        torch.set_num_threads(torch.get_num_threads())
     # a new interpreter seeds torch's and numpy's global generators from the OS (Python's random reseeds at fork)
-    sys.modules["torch"].default_generator.seed()
+    torch.default_generator.seed()
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed()
     sys.argv = list(argv)
