@@ -69,6 +69,8 @@ def hold(joiners: int) -> None:
     while joiners and not m.joining and m.store.add("gradsync/join/count", 0) < joiners:
         assert time.monotonic() < deadline, f"{joiners} replicas did not ask to join within 60 s"
         time.sleep(0.01)
+    if joiners:  # the first member's Requests thread reads them before this window's synced backward carries them
+        time.sleep(3 * gradsync.elastic.join.REQUESTS_S)
 
 
 def refusals() -> int:

@@ -1,13 +1,15 @@
-"""The control protocol's checks and bounded waits, on hand-made tensors (no processes)."""
+"""The control protocol's checks and bounded waits on hand-made tensors, and what a phase header carries (2 ranks)."""
 import time
 from datetime import timedelta
 
 import pytest
 import torch
 
-from gradsync.engine.control import Verdict, bounded_wait, control_tensor, empty_control
+import gradsync
+from gradsync.engine.control import CARRIED, PAYLOAD, Verdict, bounded_wait, control_tensor, empty_control
 from gradsync.engine.errors import SyncError
 from gradsync.engine.checks import check_finite
+from helpers import mlp, run_ranks
 
 
 def check_agreement(total, *, rank, world_size, n, active, sync_count):
@@ -96,3 +98,24 @@ def test_bounded_wait_on_futures():
     with pytest.raises(TimeoutError):
         bounded_wait(never, timedelta(seconds=0.2))
     assert time.monotonic() - start < 5
+
+
+def test_a_synced_backwards_header_carries_its_values_once_and_the_standing_ones_every_time():
+    """``carry`` (the accumulator's) goes with the next synced backward only; ``standing`` (elastic membership's join
+    requests and stop) with every one, after them; every rank reads every rank's values."""
+    def fn(rank, world_size):
+        model = gradsync.DistributedDataParallel(mlp())
+        plane = model.reducer.plane
+        with pytest.raises(ValueError, match=f"carries at most {CARRIED} values"):
+            plane.carry([1.0] * (CARRIED + 1))
+        plane.standing = lambda: (10.0 + rank, float(rank))
+        read = plane.carry([1.0 + rank, 2.0])
+        seen = []
+        for _ in range(2):
+            model(torch.ones(2, 8)).sum().backward()
+            seen.append(read())
+        return seen
+    for first, second in run_ranks(fn, 2):
+        assert first == {r: (1.0 + r, 2.0, 0.0, 0.0, 10.0 + r, float(r)) for r in range(2)}
+        assert second == {r: (0.0,) * CARRIED + (10.0 + r, float(r)) for r in range(2)}
+        assert len(first[0]) == PAYLOAD

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from .. import process
 from ..engine.protocol import attach
 from .identity import Liveness, connect, identify
-from .join import at_boundary
+from .join import Requests, at_boundary, standing
 from .membership import StoreMembership, log
 
 
@@ -55,6 +55,7 @@ def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60
                         min_replicas=me.min_replicas, timeout=timeout, machine=me.machine)
     m.liveness, liveness.graveyard = liveness, m.graveyard
     m.form_first()
+    m.requests = Requests(m, address)
     install(m)
     if threading.current_thread() is threading.main_thread() and not callable(signal.getsignal(signal.SIGUSR1)):
         # SLURM's warning before the time limit: finish the window, stop together (gradsync.elastic.stopping)
@@ -86,6 +87,7 @@ def on_wrapper(ddp: Any, default_group: bool) -> None:
         if wrapper() is not None:
             wrapper().follow_group(group)
     attach(ddp.reducer, replica, follow_group)
+    ddp.reducer.plane.standing = lambda: standing(replica)  # join requests and a stop, in every synced backward
 
 
 def followed(model: Any) -> bool:

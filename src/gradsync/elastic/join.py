@@ -3,10 +3,12 @@
 A replica that arrives after the job started (``gradsync run`` restarted it, or a new launcher
 brought it) trains on a group of its own until its first window boundary: its first
 ``acc.accumulate()``, or the first item of ``acc.iterate()`` or of an ``ElasticSampler``. There it
-asks to join and waits, ready, so the members pause only for the transfer. At every window
-boundary the members read the number of join requests and agree on it in the store (two round
-trips, no collective); every member then admits the same joiners into the next generation, and
-the first member sends everyone the state: the parameters and buffers, every optimizer and
+asks to join and waits, ready, so the members pause only for the transfer. The first member's
+``Requests`` thread reads the number of join requests from the store, and every member carries what it
+read, and whether it was asked to stop (SIGUSR1), in each synced backward's phase header
+(``ControlPlane.standing``): at the next window boundary every member reads the same header, so all
+stop there, or admit the same joiners into the next generation, without a round trip to the store. The
+first member then sends everyone the state: the parameters and buffers, every optimizer and
 scheduler the accumulator wrapped, the accumulator's own state, the reducer's counters, the
 membership's events and whatever was registered with ``gradsync.elastic.register``.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import threading
 import time
 from typing import Any
 
@@ -24,13 +27,39 @@ import torch.distributed as dist
 from .. import process
 from ..ddp.construct import broadcast_coalesced
 from ..engine.collectives import deserialized, serialized
+from ..engine.control import CARRIED
 from ..engine.errors import PeerFailure
 from ..engine.launcher import saved_state
-from .identity import FAILED, FINISHED, AdmissionError
+from .identity import FAILED, FINISHED, AdmissionError, connect
 from .membership import P, MembershipError, MembershipEvent
 
 log = logging.getLogger("gradsync.elastic")
 POLL = 0.02  # a waiting joiner looks for its admission this often
+REQUESTS_S = 0.1  # the first member reads the number of join requests this often
+
+
+class Requests:
+    """The number of join requests in the store, read by a thread of its own connection while this replica is the
+    first member (the others carry 0: the header's maximum is every member's answer)."""
+
+    def __init__(self, m: Any, address: str):
+        self.count = 0
+        store = connect(address, m.timeout)
+        threading.Thread(target=self._poll, args=(m, store), name="gradsync-requests", daemon=True).start()
+
+    def _poll(self, m: Any, store: dist.Store) -> None:
+        while True:
+            try:
+                if not m.joining and m.members and m.members[0] == m.replica_id:
+                    self.count = store.add(f"{P}/join/count", 0)
+            except Exception:  # the coordinator is gone: the main thread's next store call says so
+                return
+            time.sleep(REQUESTS_S)
+
+
+def standing(m: Any) -> tuple[float, float]:
+    """What this member carries in every synced backward's header: join requests read, and a stop asked for."""
+    return float(m.requests.count if m.requests is not None else 0), float(m.stop_requested)
 
 
 def at_boundary(acc: Any) -> None:
@@ -41,26 +70,16 @@ def at_boundary(acc: Any) -> None:
         return
     if m.joining:
         join(m, acc, reducer)
-    elif not stop_here(m, acc.windows):  # no admission into a job that stops here
-        admit(m, acc, reducer)
+        return
+    rows = (reducer.plane.payloads or {}).values()  # the last synced backward's header: the same on every member
+    m.stopping = m.stopping or any(row[CARRIED + 1] for row in rows)
+    if not m.stopping:  # no admission into a job that stops here
+        admit(m, acc, reducer, int(max((row[CARRIED] for row in rows), default=0)))
 
 
-def stop_here(m: Any, window: int) -> bool:
-    """Whether the job stops at the boundary before ``window``. A replica asked to stop posts the next boundary:
-    no member can be past this one (the window's synced backward needs it), so every member reads it in time."""
-    key = f"{P}/job/stop"
-    if m.stop_at is None and m.stop_requested:
-        m.stop_at = int(m.store.compare_set(key, "", str(window + 1)))
-    elif m.stop_at is None and m.store.check([key]):
-        m.stop_at = int(m.store.get(key))
-    m.stopping = m.stop_at is not None and window >= m.stop_at
-    return m.stopping
-
-
-def admit(m: Any, acc: Any, reducer: Any) -> None:
+def admit(m: Any, acc: Any, reducer: Any, agreed: int) -> None:
+    """Admit the join requests up to the ``agreed`` one (what the members' header carried)."""
     window = acc.windows  # the 0-based index of the window about to start
-    count = m.store.add(f"{P}/join/count", 0)
-    agreed = int(m.store.compare_set(m.key(f"admit/{window}"), "", str(count)))
     if agreed <= m.joins_seen:
         return
     requests = [m.store.get(f"{P}/join/req/{n}").decode() for n in range(m.joins_seen + 1, agreed + 1)]
@@ -215,4 +234,4 @@ def record(m: Any, g: int, window: int, joined: list[int], start: float, sent: i
                 "%.2f s, %d bytes sent", g, joined, window, m.members, event.seconds, sent)
 
 
-__all__ = ["at_boundary", "admit", "join", "load_state", "state_of", "stop_here", "transfer"]
+__all__ = ["REQUESTS_S", "Requests", "at_boundary", "admit", "join", "load_state", "standing", "state_of", "transfer"]

@@ -14,7 +14,7 @@ Store keys (under ``gradsync/``): ``exit/<id>/<restart>`` (the launcher, or the 
 process ends), ``heartbeat/<launcher>`` and ``beat/<id>/<restart>`` (``identity.py``),
 ``gen<g>/alive/<id>`` (a member reached generation g; the value is its restart count and launcher),
 ``gen<g>/members``, ``gen<g>/broken``, ``gen<g>/vote/<sync>``, ``gen<g>/decision/<sync>``,
-``job/id``, ``job/started``, ``job/stop``, ``job/finished``, ``job/failed``, ``waiting/<id>`` (a replica
+``job/id``, ``job/started``, ``job/finished``, ``job/failed``, ``waiting/<id>`` (a replica
 that arrived after the start), ``join/...``, ``admitted/...`` and ``refused/...`` (``join.py``).
 """
 from __future__ import annotations
@@ -96,9 +96,9 @@ class StoreMembership:
         self._failed_at: float | None = None
         self.window_source: Any = None  # a weak method of the accumulator: (windows started, planned), attach.py
         self.liveness: Any = None  # how this replica ends, and without a launcher its heartbeat (identity.py)
-        self.stop_requested = False  # this replica received SIGUSR1 (join.stop_here posts it)
-        self.stop_at: int | None = None  # the window boundary the job agreed to stop at
-        self.stopping = False  # that boundary is reached
+        self.stop_requested = False  # this replica received SIGUSR1: it carries that in its synced backwards' headers
+        self.stopping = False  # the members' last header carried a stop: the job stops at this boundary
+        self.requests: Any = None  # join.Requests: the join requests the first member read
 
     def key(self, name: str, generation: int | None = None) -> str:
         return f"{P}/gen{self.generation if generation is None else generation}/{name}"
@@ -194,7 +194,8 @@ class StoreMembership:
         while True:
             try:
                 self.store.wait([decision], timedelta(seconds=SLICE))
-                return self.store.get(decision) == b"commit"
+                # written: a compare_set against a value it never holds reads it in one round trip (get waits first)
+                return self.store.compare_set(decision, "?", "?") == b"commit"
             except dist.DistStoreError:
                 pass
             if self._gone() or time.monotonic() >= deadline:

@@ -6,23 +6,23 @@ Gradient buckets are the data plane (``launcher.py``). What the ranks must agree
 collectives of different kinds (a buffer broadcast and a bucket all-reduce) never complete: both ranks
 would wait for the group's timeout, 30 minutes by default. So each phase (a training forward's buffer
 broadcast, a synced backward) first all-reduces a header of the same shape on every rank: one row per
-rank, ``[kind, forward count, backward count, payload...]``, each rank writing only its own row.
-Whatever phase each rank is in, the headers pair, every rank learns what the others do, and all raise
-the same diagnosis before issuing anything that could not pair. A slow rank is not an error. The
-payload carries ``PAYLOAD`` float64 values per rank at no extra collective (the accumulator's item
-count: ``carry``); their bits travel as int64, so they arrive exactly.
+rank, ``[kind, forward count, backward count, payload...]``, each rank writing only its own row. Whatever
+phase each rank is in, the headers pair, every rank learns what the others do, and all raise the same
+diagnosis before issuing anything that could not pair. A slow rank is not an error. A synced backward's
+payload carries ``PAYLOAD`` float64 values per rank at no extra collective, as int64 bits (exactly): the
+first ``CARRIED`` once (``carry``: the accumulator's item count), the rest every time (``standing``: elastic
+membership's join requests and stop).
 
-**The control.** Each synced backward ends with one small int32 all-reduce, launched right after the
-last bucket so that its latency hides behind theirs: ``[backward count per rank | used count per
-parameter | forward count per rank | failed flag per rank | compute us + 1, wait us, local squared norm
-per rank | present]``. Each rank writes only its own slots, so the sum is an all-gather of the counters
-(``Verdict`` reads it). The times need every bucket's result, which comes after the launch: they ride
-in the next synced backward's control (``send_control``), so the report lags one synced backward.
+**The control.** Each synced backward ends with one small int32 all-reduce, launched right after the last bucket
+so that its latency hides behind theirs: ``[backward count per rank | used count per parameter | forward count
+per rank | failed flag per rank | compute us + 1, wait us, local squared norm per rank | present]``. Each rank
+writes only its own slots, so the sum is an all-gather of the counters (``Verdict`` reads it). The times need every
+bucket's result, which comes after the launch: they ride in the next synced backward's control (``send_control``).
 
-**Waits.** Every wait on any collective goes through ``ControlPlane.wait``, bounded by the timeout.
-When the data plane is on a device, the control traffic runs on a CPU (gloo) group of the same ranks
-(``control_group``): no header, control or carried value is read back from the device, and waits on the
-data plane's collectives are stream waits (their futures), not host waits.
+**Waits.** Every wait on any collective goes through ``ControlPlane.wait``, bounded by the timeout. When the
+data plane is on a device, the control traffic runs on a CPU (gloo) group of the same ranks (``control_group``):
+no header, control or carried value is read back from the device, and waits on the data plane's collectives
+are stream waits (their futures), not host waits.
 """
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ from .. import process
 from .._torch import Future
 from .errors import PeerFailure, SyncError
 from .groups import control_group
-from .messages import foreign_header, out_of_step, phase_mismatch, phases_out_of_step
+from .messages import foreign_header, out_of_step, phase_mismatch, phases_out_of_step, wait_failed
 
 FORWARD, BACKWARD, AUDIT = 1, 2, 3  # a joined rank shadowing the others writes a row of zeros; AUDIT: audit.py
-PAYLOAD = 4  # float64 slots per rank in a header
+PAYLOAD, CARRIED = 6, 4  # float64 slots per rank in a header; the first CARRIED for carry(), the rest standing
 
 
 def bounded_wait(handle: Any, timeout: timedelta) -> None:
@@ -89,11 +89,10 @@ def control_tensor(rank: int, world_size: int, backward_count: int, forward_coun
                    used: Sequence[bool], device: torch.device | None = None, failed: int = 0,
                    times_us: Sequence[float] | None = None, norm2: torch.Tensor | None = None,
                    extra: torch.Tensor | None = None) -> torch.Tensor:
-    """This rank's control. ``failed``: 1 when its backward failed part-way and its window can be
-    reduced again without it, 2 when it cannot (it held synced gradients of the window already).
-    ``times_us``: its previous synced backward's compute and wait (None: none to send); ``norm2``: its
-    local gradient's squared norm, a float32 whose bits ride in an int32 slot (the sum adds zeros);
-    ``extra``: its own int32 slots after the telemetry (``empty_control``)."""
+    """This rank's control. ``failed``: 1 when its backward failed part-way and its window can be reduced again
+    without it, 2 when it cannot (it held synced gradients of the window already). ``times_us``: its previous synced
+    backward's compute and wait (None: none to send); ``norm2``: its local gradient's squared norm, a float32 whose
+    bits ride in an int32 slot (the sum adds zeros); ``extra``: its own int32 slots after the telemetry."""
     w, n = world_size, len(used)
     e = 0 if extra is None else extra.numel()
     control = empty_control(w, n, extra=e)
@@ -159,6 +158,7 @@ class ControlPlane:
         self.active_ranks: list[int] | None = None  # inside DDP.join(): this forward's active ranks
         self.headers_sent = 0  # phases this rank started (a skipped micro-step replays the missing ones)
         self.sent_payload: tuple[float, ...] = ()  # carried by the latest synced backward's header
+        self.standing: Callable[[], tuple[float, ...]] | None = None  # the slots after CARRIED, in every one
         self.protocol: Any = None  # a commit protocol (protocol.py): waits also end when the group broke
         self.times: tuple[int, float, float] | None = None  # (sync, compute us, wait us) for the next control
         self.replicas: Any = None  # check_replicas=True: replicas.ReplicaCheck, its fingerprints ride in the control
@@ -181,8 +181,10 @@ class ControlPlane:
 
     # ---------------------------------------------------------------- headers
     def carry(self, values: Sequence[float]) -> Callable[[], dict[int, tuple[float, ...]] | None]:
-        """Send ``values`` (at most ``PAYLOAD``) in the next synced backward's header; return a reader of
+        """Send ``values`` (at most ``CARRIED``) in the next synced backward's header; return a reader of
         the active ranks' values, by rank (None until that header completed, or if none ran)."""
+        if len(values) > CARRIED:
+            raise ValueError(f"gradsync: a phase header carries at most {CARRIED} values, got {len(values)}")
         self.payload = tuple(float(v) for v in values)
         return lambda: self.payloads
 
@@ -192,6 +194,8 @@ class ControlPlane:
         if kind == BACKWARD:  # carried values go with a synced backward, never a forward's broadcast
             payload, self.payload, self.payloads = self.payload, (), None
             self.sent_payload = payload
+            if self.standing is not None:
+                payload = payload + (0.0,) * (CARRIED - len(payload)) + self.standing()
         self.kind = kind
         self.headers_sent += 1
         if self.world_size == 1 and kind == BACKWARD and self.active_ranks is None:
@@ -269,12 +273,8 @@ class ControlPlane:
             else:
                 bounded_wait(handle, self.timeout)
         except Exception as exc:
-            raise self.failure(
-                f"gradsync: rank {self.rank} waited for {what} of synced backward {self.counters.sync} "
-                f"(backward {self.counters.backward} on this rank) and it failed or did not finish within "
-                f"{self.timeout.total_seconds():g}s: {exc}. Likely cause: another rank died, raised, "
-                "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync."
-            ) from exc
+            raise self.failure(wait_failed(self.rank, what, self.counters.sync, self.counters.backward,
+                                           self.timeout.total_seconds(), exc)) from exc
 
 
 class Verdict:
@@ -326,5 +326,5 @@ def check_phases(rows: list[tuple[int, int, int]], *, rank: int, active: Sequenc
         raise SyncError(phases_out_of_step([(r, rows[r][0], rows[r][1], rows[r][2]) for r in active]))
 
 
-__all__ = ["AUDIT", "BACKWARD", "FORWARD", "PAYLOAD", "ControlPlane", "Counters", "Verdict", "bounded_wait",
+__all__ = ["AUDIT", "BACKWARD", "CARRIED", "FORWARD", "PAYLOAD", "ControlPlane", "Counters", "Verdict", "bounded_wait",
            "control_tensor", "empty_control", "header_tensor"]

@@ -95,3 +95,9 @@ def phases_out_of_step(phases: list[tuple[int, int, int, int]]) -> str:
             "micro-step, ran a different number of micro-steps in an accumulation window, entered "
             "no_sync() or called gradsync.audit() when another did not. Detected on every rank before any gradient was applied; "
             "the process group is out of step, restart the job from a checkpoint.")
+
+
+def wait_failed(rank: int, what: str, sync: int, backward: int, timeout: float, exc: BaseException) -> str:
+    return (f"gradsync: rank {rank} waited for {what} of synced backward {sync} (backward {backward} on this rank) "
+            f"and it failed or did not finish within {timeout:g}s: {exc}. Likely cause: another rank died, raised, "
+            "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync.")
