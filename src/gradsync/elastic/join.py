@@ -14,6 +14,7 @@ membership's events and whatever was registered with ``gradsync.elastic.register
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import logging
@@ -43,18 +44,23 @@ class Requests:
     first member (the others carry 0: the header's maximum is every member's answer)."""
 
     def __init__(self, m: Any, address: str):
-        self.count = 0
+        self.count, self._stop = 0, threading.Event()
         store = connect(address, m.timeout)
-        threading.Thread(target=self._poll, args=(m, store), name="gradsync-requests", daemon=True).start()
+        self._thread = threading.Thread(target=self._poll, args=(m, store), name="gradsync-requests", daemon=True)
+        self._thread.start()
+        atexit.register(self.close)  # a thread inside a store call as the interpreter ends aborts the process
 
     def _poll(self, m: Any, store: dist.Store) -> None:
-        while True:
+        while not self._stop.wait(REQUESTS_S):
             try:
                 if not m.joining and m.members and m.members[0] == m.replica_id:
                     self.count = store.add(f"{P}/join/count", 0)
             except Exception:  # the coordinator is gone: the main thread's next store call says so
                 return
-            time.sleep(REQUESTS_S)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
 
 
 def standing(m: Any) -> tuple[float, float]:

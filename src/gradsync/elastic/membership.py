@@ -13,7 +13,7 @@ over exactly what the survivors processed.
 Store keys (under ``gradsync/``): ``exit/<id>/<restart>`` (the launcher, or the replica itself, when a
 process ends), ``heartbeat/<launcher>`` and ``beat/<id>/<restart>`` (``identity.py``),
 ``gen<g>/alive/<id>`` (a member reached generation g; the value is its restart count and launcher),
-``gen<g>/members``, ``gen<g>/broken``, ``gen<g>/vote/<sync>``, ``gen<g>/decision/<sync>``,
+``gen<g>/members``, ``gen<g>/broken``, ``gen<g>/vote/<sync>/<id>``, ``gen<g>/decision/<sync>``,
 ``job/id``, ``job/started``, ``job/finished``, ``job/failed``, ``waiting/<id>`` (a replica
 that arrived after the start), ``join/...``, ``admitted/...`` and ``refused/...`` (``join.py``).
 """
@@ -187,17 +187,21 @@ class StoreMembership:
         self.store.set(self.key("broken"), str(self.replica_id))
 
     def commit(self, sync: int) -> bool:
+        """Vote (a put: nothing to wait for), wait for every member's vote, then the store's first answer decides:
+        "commit" from a member that saw every vote, or "abort" from one that gave up waiting."""
         decision = self.key(f"decision/{sync}")
-        if self.store.add(self.key(f"vote/{sync}"), 1) == len(self.members):
-            return self.store.compare_set(decision, "", "commit") == b"commit"
+        self.store.set(self.key(f"vote/{sync}/{self.replica_id}"), "1")
+        votes = [self.key(f"vote/{sync}/{m}") for m in self.members]
         deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
             try:
-                self.store.wait([decision], timedelta(seconds=SLICE))
-                # written: a compare_set against a value it never holds reads it in one round trip (get waits first)
-                return self.store.compare_set(decision, "?", "?") == b"commit"
+                self.store.wait(votes, timedelta(seconds=SLICE))
+                return self.store.compare_set(decision, "", "commit") == b"commit"
             except dist.DistStoreError:
                 pass
+            if self.store.check([decision]):  # another member decided (gave up) while this one waited: read it
+                # a compare_set against a value it never holds reads it in one round trip (get waits first)
+                return self.store.compare_set(decision, "?", "?") == b"commit"
             if self._gone() or time.monotonic() >= deadline:
                 return self.store.compare_set(decision, "", "abort") == b"commit"
 
