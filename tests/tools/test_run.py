@@ -88,6 +88,21 @@ def test_a_failing_replica_restarts_with_the_next_count(tmp_path):
     assert "replica 0 (restart 0) exited with code 1; restarting (1 of 2)" in err
 
 
+def test_a_replica_that_stops_is_killed_and_restarted_each_time(tmp_path):
+    """A replica stopped by SIGSTOP for 5 s is SIGKILLed and restarted like a dead one, its restart watched afresh."""
+    body = """
+    open(os.path.join(out, "starts"), "a").write(f"{restart}\\n")
+    if restart < 2:
+        os.kill(os.getpid(), signal.SIGSTOP)
+    """
+    rc, _, err = finish(launch(tmp_path, ["--max-restarts", "2"], body))
+    assert rc == 0, err
+    assert lines(tmp_path / "starts") == ["0", "1", "2"]
+    for restart in (0, 1):
+        assert f"replica 0 (restart {restart}) has been stopped (SIGSTOP) for 5 s; killing it" in err, err
+        assert f"replica 0 (restart {restart}) died with SIGKILL; restarting ({restart + 1} of 2)" in err, err
+
+
 def test_restarts_run_out_and_a_killed_replica_is_reported(tmp_path):
     body = ("""
     open(os.path.join(out, f"starts-{rid}"), "a").write(f"{restart}\\n")

@@ -225,10 +225,11 @@ def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica],
                 # counted in polls, not seconds: a launcher stopped with its replicas (a suspended job) and continued
                 # with them sees them running again at its next poll
                 rep.stopped_polls = rep.stopped_polls + 1 if stopped(rep.proc.pid) else 0
-                if rep.stopped_polls == round(STOPPED_S / POLL_S):
+                if rep.stopped_polls >= round(STOPPED_S / POLL_S):
                     print(f"gradsync run: replica {rep.rid} (restart {rep.restart}) has been stopped (SIGSTOP) for "
                           f"{STOPPED_S:g} s; killing it so that the others go on without it", file=sys.stderr)
                     terminate(rep, signal.SIGKILL)
+                    rep.stopped_polls = 0  # its restart counts afresh
                 continue
             store.set(f"gradsync/exit/{rep.rid}/{rep.restart}", str(code))
             rep.returncode = code
