@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ._torch import module_slot_dicts
-from .engine.collectives import deserialized, serialized
+from .engine.collectives import broadcast_bytes, deserialized, serialized
 from .engine.control import AUDIT
 from .engine.errors import PeerFailure, ReplicaMismatchError
 from .engine.replicas import disagreeing, fingerprint, gathered, who
@@ -77,10 +77,9 @@ def audit(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], b
             gathers.finish()
         params = reducer.params
         grads = _gradients(model.module, loss_fn, batch, params, count if seed is None else seed)
-        mine = torch.stack([fingerprint([p]) for p in params] +
-                           [fingerprint([g]) if g is not None else torch.zeros((), dtype=torch.int64,
-                                                                             device=params[0].device) for g in grads] +
-                           [torch.tensor(int(g is not None), dtype=torch.int64, device=params[0].device) for g in grads])
+        none = torch.zeros((), dtype=torch.int64, device=params[0].device)  # a missing gradient's fingerprint
+        mine = torch.cat([torch.stack([fingerprint([t]) if t is not None else none for t in [*params, *grads]]),
+                          torch.tensor([g is not None for g in grads], dtype=torch.int64, device=none.device)])
         table = gathered(mine, plane, "the audit's fingerprints")
     except PeerFailure as exc:  # an elastic member left: stop using the group; the next synced backward re-forms
         attached.lose_group(exc)
@@ -100,14 +99,8 @@ def audit(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], b
 def _broadcast(batch: Any, src: int, reducer: Any) -> Any:
     """Rank ``src``'s ``batch`` on every rank, its tensors on the device they had there (or the model's)."""
     plane = reducer.plane
-    blob = serialized(batch) if plane.rank == src else None
-    size = torch.tensor([blob.numel() if blob is not None else 0], dtype=torch.int64)
-    reducer.wait(dist.broadcast(size, src=dist.get_global_rank(plane.group, src), group=plane.group, async_op=True),
-                 "the audit's micro-batch size")
-    if blob is None:
-        blob = torch.empty(int(size), dtype=torch.uint8)
-    reducer.wait(dist.broadcast(blob, src=dist.get_global_rank(plane.group, src), group=plane.group, async_op=True),
-                 "the audit's micro-batch")
+    blob = broadcast_bytes(serialized(batch) if plane.rank == src else None, dist.get_global_rank(plane.group, src),
+                           plane.group, lambda work: reducer.wait(work, "the audit's micro-batch"))
     if plane.rank == src:
         return batch
     device = reducer.device  # a tensor on rank src's GPU lands on this rank's

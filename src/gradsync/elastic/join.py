@@ -22,12 +22,11 @@ import threading
 import time
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from .. import process
 from ..ddp.construct import broadcast_coalesced
-from ..engine.collectives import deserialized, serialized
+from ..engine.collectives import broadcast_bytes, deserialized, serialized
 from ..engine.control import CARRIED
 from ..engine.errors import PeerFailure
 from ..engine.launcher import saved_state
@@ -215,20 +214,15 @@ def transfer(m: Any, acc: Any, reducer: Any, source: int) -> int:
     """Send (from ``source``) or receive the state; return the bytes each receiver got."""
     src = m.members.index(source)
     wait = lambda work: reducer.wait(work, "the state sent to a joining replica")  # noqa: E731
-    if m.replica_id == source:
-        blob = serialized(state_of(m, acc, reducer))
-    size = torch.tensor([blob.numel() if m.replica_id == source else 0], dtype=torch.int64)
-    wait(dist.broadcast(size, src=src, async_op=True))
-    if m.replica_id != source:
-        blob = torch.empty(int(size), dtype=torch.uint8)
-    wait(dist.broadcast(blob, src=src, async_op=True))
+    blob = broadcast_bytes(serialized(state_of(m, acc, reducer)) if m.replica_id == source else None, src,
+                           dist.group.WORLD, wait)
     tensors = list(acc.model.parameters()) + list(acc.model.buffers())
     # through a copy: a member frozen in this broadcast, left out and continued, can complete it late (gloo cannot
     # cancel it) and would write into the parameters of whoever received it
     broadcast_coalesced([t.data for t in tensors], dist.group.WORLD, wait, src, in_place=False)
     if m.replica_id != source:
         load_state(m, acc, reducer, deserialized(blob))
-    return int(size) + sum(t.numel() * t.element_size() for t in tensors)
+    return blob.numel() + sum(t.numel() * t.element_size() for t in tensors)
 
 
 def record(m: Any, g: int, window: int, joined: list[int], start: float, sent: int) -> None:

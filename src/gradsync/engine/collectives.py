@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -91,9 +92,19 @@ def serialized(obj: Any) -> torch.Tensor:
     return torch.cat(sink.parts) if sink.parts else torch.empty(0, dtype=torch.uint8)
 
 
+def broadcast_bytes(blob: torch.Tensor | None, src: int, group: Any, wait: Callable[[Any], None]) -> torch.Tensor:
+    """Rank ``src``'s ``blob`` (uint8; None elsewhere) on every rank of ``group``: its size, then its bytes."""
+    size = torch.tensor([blob.numel() if blob is not None else 0], dtype=torch.int64)
+    wait(dist.broadcast(size, src=src, group=group, async_op=True))
+    if blob is None:
+        blob = torch.empty(int(size), dtype=torch.uint8)
+    wait(dist.broadcast(blob, src=src, group=group, async_op=True))
+    return blob
+
+
 def deserialized(blob: torch.Tensor, map_location: Any = None) -> Any:
     """The object ``serialized`` made ``blob`` of, each record copied out by torch (``map_location``: torch.load's)."""
     return torch.load(_Reader(blob), map_location=map_location, weights_only=False)
 
 
-__all__ = ["all_gather", "deserialized", "exchanges", "reduce_scatter", "serialized", "start_all_gather"]
+__all__ = ["all_gather", "broadcast_bytes", "deserialized", "exchanges", "reduce_scatter", "serialized", "start_all_gather"]
