@@ -63,6 +63,51 @@ def connect(address: str, timeout: timedelta) -> dist.Store:
     return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
 
 
+def thread_connection(address: str, timeout: timedelta) -> tuple[dist.Store, tuple[int, str] | None]:
+    """A connection to the job's store for a thread of its own, and its socket (None if not told apart), which
+    ``end_thread`` shuts down if the thread is still inside a call at exit."""
+    before = open_sockets()
+    store = connect(address, timeout)
+    return store, store_socket(open_sockets() - before, address)
+
+
+def end_thread(thread: threading.Thread, sock: tuple[int, str] | None) -> None:
+    """Join a thread of ``thread_connection`` (told to stop) before the interpreter ends: a daemon thread whose
+    TCPStore call returns after that aborts the process (rc 134). A call to a coordinator that does not answer
+    waits for good (TCPStore's timeout does not bound it), so its connection is shut down: the call fails now."""
+    thread.join(timeout=1)
+    if thread.is_alive() and sock is not None and sock in open_sockets():  # still the thread's, not a reused number
+        with socket.socket(fileno=os.dup(sock[0])) as conn:
+            conn.shutdown(socket.SHUT_RDWR)
+        thread.join(timeout=10)
+
+
+def open_sockets() -> set[tuple[int, str]]:
+    """(descriptor, ``socket:[inode]``) of this process's open sockets (Linux; elsewhere none)."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
+        try:
+            if (link := os.readlink(f"/proc/self/fd/{fd}")).startswith("socket:"):
+                found.add((int(fd), link))
+        except OSError:  # closed since the listing (the listing's own descriptor)
+            continue
+    return found
+
+
+def store_socket(new: set[tuple[int, str]], address: str) -> tuple[int, str] | None:
+    """The one new TCP connection to ``address``'s port among ``new``, else None (etcd's connections are Python's
+    own: nothing to shut down; another thread's new connection to it: unknown)."""
+    port, found = address.rpartition(":")[2], []
+    for fd, link in new if port.isdigit() else ():
+        try:
+            with socket.socket(fileno=os.dup(fd)) as conn:
+                if conn.type == socket.SOCK_STREAM and conn.getpeername()[1] == int(port):
+                    found.append((fd, link))
+        except OSError:  # not a socket, or not connected
+            continue
+    return found[0] if len(found) == 1 else None
+
+
 def identify(store: dist.Store, env: Any, address: str, timeout: timedelta) -> Identity:
     """This process's identity in the job at ``address``, from ``gradsync run``'s environment or the store."""
     store.wait([JOB_ID], timeout)  # the coordinator writes it first: a replica may arrive before that
@@ -115,9 +160,13 @@ class Liveness:
         self.failed = False
         self.graveyard: list[Any] = []  # the membership's earlier groups (membership.py)
         self._stop = threading.Event()
+        self._beating: tuple[threading.Thread, tuple[int, str] | None] | None = None
         if reports:  # its own connection: the beat must not queue behind the main thread's store calls
-            beat_store, key = connect(address, timedelta(seconds=30)), f"{P}/beat/{ident.replica_id}/{ident.restart}"
-            threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat", daemon=True).start()
+            beat_store, sock = thread_connection(address, timedelta(seconds=30))
+            key = f"{P}/beat/{ident.replica_id}/{ident.restart}"
+            thread = threading.Thread(target=self._beat, args=(beat_store, key), name="gradsync-heartbeat", daemon=True)
+            thread.start()
+            self._beating = (thread, sock)
         hook = sys.excepthook
 
         def excepthook(*exc):
@@ -152,6 +201,8 @@ class Liveness:
     def at_exit(self) -> None:
         code = 1 if self.failed else 0
         self.report(code)
+        if self._beating is not None:
+            end_thread(*self._beating)
         if self.failed or self.graveyard:
             # a group whose collective waits on a gone peer makes the interpreter's exit wait until gloo's
             # timeout (its threads are joined), and torchrun restarts a group only once every worker ended
@@ -167,4 +218,4 @@ class Liveness:
         os.kill(os.getpid(), signum)
 
 
-__all__ = ["AdmissionError", "Identity", "Liveness", "connect", "identify"]
+__all__ = ["AdmissionError", "Identity", "Liveness", "connect", "end_thread", "identify", "thread_connection"]

@@ -18,8 +18,6 @@ import atexit
 import dataclasses
 import json
 import logging
-import os
-import socket
 import threading
 import time
 from typing import Any
@@ -32,7 +30,7 @@ from ..engine.collectives import broadcast_bytes, deserialized, serialized
 from ..engine.control import CARRIED
 from ..engine.errors import PeerFailure
 from ..engine.launcher import saved_state
-from .identity import FAILED, FINISHED, AdmissionError, connect
+from .identity import FAILED, FINISHED, AdmissionError, end_thread, thread_connection
 from .membership import P, MembershipError, MembershipEvent
 
 log = logging.getLogger("gradsync.elastic")
@@ -46,9 +44,7 @@ class Requests:
 
     def __init__(self, m: Any, address: str):
         self.count, self._stop = 0, threading.Event()
-        before = open_sockets()
-        store = connect(address, m.timeout)
-        self._socket = store_socket(open_sockets() - before, address)
+        store, self._socket = thread_connection(address, m.timeout)
         self._thread = threading.Thread(target=self._poll, args=(m, store), name="gradsync-requests", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -62,41 +58,8 @@ class Requests:
                 return
 
     def close(self) -> None:
-        """Stop the thread before the interpreter ends: a thread whose TCPStore call returns after that aborts the
-        process. A call to a coordinator that does not answer waits for good (TCPStore's timeout does not bound
-        it), so its connection is shut down and the call fails while the thread can still end."""
         self._stop.set()
-        self._thread.join(timeout=1)
-        if self._thread.is_alive() and self._socket in open_sockets():  # still the thread's (not a reused number)
-            with socket.socket(fileno=os.dup(self._socket[0])) as conn:
-                conn.shutdown(socket.SHUT_RDWR)
-            self._thread.join(timeout=10)
-
-
-def open_sockets() -> set[tuple[int, str]]:
-    """(descriptor, ``socket:[inode]``) of this process's open sockets (Linux; elsewhere none)."""
-    found = set()
-    for fd in os.listdir("/proc/self/fd") if os.path.isdir("/proc/self/fd") else ():
-        try:
-            if (link := os.readlink(f"/proc/self/fd/{fd}")).startswith("socket:"):
-                found.add((int(fd), link))
-        except OSError:  # closed since the listing (the listing's own descriptor)
-            continue
-    return found
-
-
-def store_socket(new: set[tuple[int, str]], address: str) -> tuple[int, str] | None:
-    """The one new TCP connection to ``address``'s port among ``new``, else None (etcd's connections are Python's
-    own: nothing to shut down; another thread's new connection to it: unknown)."""
-    port, found = address.rpartition(":")[2], []
-    for fd, link in new if port.isdigit() else ():
-        try:
-            with socket.socket(fileno=os.dup(fd)) as conn:
-                if conn.type == socket.SOCK_STREAM and conn.getpeername()[1] == int(port):
-                    found.append((fd, link))
-        except OSError:  # not a socket, or not connected
-            continue
-    return found[0] if len(found) == 1 else None
+        end_thread(self._thread, self._socket)
 
 
 def standing(m: Any) -> tuple[float, float]:
