@@ -129,10 +129,11 @@ def main() -> None:
                         "the victim dies inside it, after its micro-batch arrived)")
     parser.add_argument("--ddp", action="append", default=[], help="a DDP option as NAME=VALUE (Python literal), "
                         "e.g. gradient_as_bucket_view=True, bucket_cap_mb='auto'")
+    parser.add_argument("--timeout", type=float, default=30, help="gradsync.elastic.init_process_group's timeout")
     args = parser.parse_args()
     global KILL_LAUNCHER
     KILL_LAUNCHER = args.kill_launcher
-    gradsync.elastic.init_process_group(args.backend, timeout=30)
+    gradsync.elastic.init_process_group(args.backend, timeout=args.timeout)
     me = gradsync.elastic.replica_id()
     device = torch.device("cpu") if args.device == "cpu" else torch.device("cuda", me % torch.cuda.device_count())
     # --victim is a replica id, or GROUP:LOCAL_RANK under a launcher that assigns no ids (torchrun)

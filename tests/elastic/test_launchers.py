@@ -350,3 +350,26 @@ def test_coordinator_ends_on_sigterm_and_says_what_it_cannot_use(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert taken.returncode == 2 and f"cannot listen on 127.0.0.1:{port}" in taken.stderr, taken.stderr
     assert bad.returncode == 2 and "--coordinator must be etcd://HOST:PORT" in bad.stderr, bad.stderr
+
+
+def test_a_frozen_coordinator_ends_every_replica_within_its_timeout(tmp_path, job):
+    """The coordinator SIGSTOPped mid-run (as a hung machine, or a network cut without a reset): TCPStore's own timeout
+    bounds only its waits for keys, so the replicas' next votes waited for good. Each replica now ends within about
+    its timeout (5 s here), non-zero, saying which coordinator did not answer."""
+    j = job(replicas=2, min_replicas=1)
+    deadline = time.monotonic() + TIMEOUT
+    for local in "01":
+        j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
+                              "--windows", "100000", "--sleep", "0.02", "--timeout", "5"], j.env("a", LOCAL_RANK=local))
+    j.wait_for_starts(2, deadline)
+    time.sleep(1.0)
+    os.kill(j.coordinator.pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    while any(p.poll() is None for p in j.procs.values()) and time.monotonic() - frozen < 90:
+        time.sleep(0.1)
+    took = time.monotonic() - frozen
+    codes = {name: p.poll() for name, p in j.procs.items()}
+    assert all(code not in (None, 0) for code in codes.values()), (codes, j.log("a0")[-3000:])
+    assert took < 60, f"the replicas took {took:.0f} s to end"
+    for name in j.procs:
+        assert f"the coordinator at {j.address} did not answer within 5s" in j.log(name), j.log(name)[-3000:]

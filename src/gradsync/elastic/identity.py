@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import socket
+import struct
 import sys
 import threading
 import time
@@ -54,21 +55,36 @@ class Identity:
 def connect(address: str, timeout: timedelta) -> dist.Store:
     """A client of the job's store: ``HOST:PORT`` (a ``gradsync coordinator`` or ``gradsync run``'s
     ``TCPStore``) or ``etcd://HOST:PORT,...[/PREFIX]`` (an etcd cluster, ``etcd.py``)."""
-    if address.startswith("etcd://"):
-        endpoints, prefix = parse(address)
-        return EtcdStore(endpoints, prefix, timeout)
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"gradsync: GRADSYNC_COORDINATOR must be HOST:PORT or etcd://HOST:PORT,..., got {address!r}")
-    return dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    return thread_connection(address, timeout)[0]
 
 
 def thread_connection(address: str, timeout: timedelta) -> tuple[dist.Store, tuple[int, str] | None]:
-    """A connection to the job's store for a thread of its own, and its socket (None if not told apart), which
-    ``end_thread`` shuts down if the thread is still inside a call at exit."""
+    """``connect``, and the TCPStore's socket (None on etcd, or if not told apart), which ``end_thread`` shuts down
+    if the thread making calls on it is still inside one at exit."""
+    if address.startswith("etcd://"):
+        endpoints, prefix = parse(address)
+        return EtcdStore(endpoints, prefix, timeout), None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"gradsync: GRADSYNC_COORDINATOR must be HOST:PORT or etcd://HOST:PORT,..., got {address!r}")
     before = open_sockets()
-    store = connect(address, timeout)
-    return store, store_socket(open_sockets() - before, address)
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=timeout)
+    sock = store_socket(open_sockets() - before, address)
+    bound(sock, timeout)
+    return store, sock
+
+
+def bound(sock: tuple[int, str] | None, timeout: timedelta) -> None:
+    """Make a TCPStore call on ``sock`` fail once the coordinator has not answered for ``timeout``: TCPStore's own
+    timeout bounds only its waits for keys, and a coordinator that is frozen, or cut off without a reset, would
+    keep every other call waiting for good (its waits poll first, so they keep their own timeouts)."""
+    if sock is None:
+        return
+    seconds = max(timeout.total_seconds(), 1.0)
+    value = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+    with socket.socket(fileno=os.dup(sock[0])) as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
 
 
 def end_thread(thread: threading.Thread, sock: tuple[int, str] | None) -> None:
@@ -169,9 +185,14 @@ class Liveness:
             self._beating = (thread, sock)
         hook = sys.excepthook
 
-        def excepthook(*exc):
+        def excepthook(kind, value, tb):
             self.failed = True
-            hook(*exc)
+            if isinstance(value, dist.DistNetworkError) and "timeout" in str(value).lower():  # bound()'s
+                print(f"gradsync: the coordinator at {address} did not answer within {store.timeout.total_seconds():g}s "
+                      "(frozen, overloaded, or the network to it cut off): this replica ends. Check the coordinator's "
+                      "process and the network to it; the timeout is gradsync.elastic.init_process_group's",
+                      file=sys.stderr, flush=True)
+            hook(kind, value, tb)
         sys.excepthook = excepthook
         atexit.register(self.at_exit)
         if reports and threading.current_thread() is threading.main_thread():

@@ -97,7 +97,7 @@ def connect(coordinator: str | None) -> tuple[dist.TCPStore, str, socket.socket 
         except (RuntimeError, OSError):
             pass  # another launcher on this machine hosts it
     # the client retries connecting until its timeout: the host's launcher may start later
-    return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=CONNECT_S)), coordinator, None
+    return connect_store(coordinator, timedelta(seconds=CONNECT_S)), coordinator, None  # its calls bounded too
 
 
 def _is_local(host: str) -> bool:
