@@ -90,7 +90,7 @@ def bound(sock: tuple[int, str] | None, timeout: timedelta) -> None:
 def end_thread(thread: threading.Thread, sock: tuple[int, str] | None) -> None:
     """Join a thread of ``thread_connection`` (told to stop) before the interpreter ends: a daemon thread whose
     TCPStore call returns after that aborts the process (rc 134). A call to a coordinator that does not answer
-    waits for good (TCPStore's timeout does not bound it), so its connection is shut down: the call fails now."""
+    waits until the connection's bound (``bound``: its timeout), so its connection is shut down: the call fails now."""
     thread.join(timeout=1)
     if thread.is_alive() and sock is not None and sock in open_sockets():  # still the thread's, not a reused number
         with socket.socket(fileno=os.dup(sock[0])) as conn:
@@ -187,8 +187,9 @@ class Liveness:
 
         def excepthook(kind, value, tb):
             self.failed = True
-            if isinstance(value, dist.DistNetworkError) and "timeout" in str(value).lower():  # bound()'s
-                print(f"gradsync: the coordinator at {address} did not answer within {store.timeout.total_seconds():g}s "
+            limit = getattr(store, "timeout", None)
+            if isinstance(value, dist.DistNetworkError) and "timeout" in str(value).lower() and limit:  # bound()'s
+                print(f"gradsync: the coordinator at {address} did not answer within {limit.total_seconds():g}s "
                       "(frozen, overloaded, or the network to it cut off): this replica ends. Check the coordinator's "
                       "process and the network to it; the timeout is gradsync.elastic.init_process_group's",
                       file=sys.stderr, flush=True)
