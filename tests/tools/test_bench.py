@@ -17,9 +17,8 @@ def test_quick_bench_writes_report_with_exact_communication(tmp_path):
                          "--skip", "memory", "--out", str(tmp_path)])
     files = sorted(os.listdir(tmp_path))
     stem = next(f for f in files if f.endswith(".md"))[:-3]
-    assert {stem + ".json", stem + "-steptime.png", stem + "-timeline.png", stem + "-breakdown.png",
-            stem + "-mlp-tiny-accum3-trace.json"} <= set(files)
-    trace = json.loads((tmp_path / (stem + "-mlp-tiny-accum3-trace.json")).read_text())["traceEvents"]
+    assert {stem + ".json", stem + "-steptime.png", stem + "-timeline.png", stem + "-breakdown.png", "traces"} <= set(files)
+    trace = json.loads((tmp_path / "traces" / (stem + "-mlp-tiny-accum3-trace.json")).read_text())["traceEvents"]
     assert {e["pid"] for e in trace} == {0, 1} and any(e["name"].startswith("bucket") for e in trace)
     report = (tmp_path / (stem + ".md")).read_text()
     assert "| mlp-tiny | 3 |" in report and "## Per-parameter overhead" in report

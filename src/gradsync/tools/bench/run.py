@@ -214,9 +214,11 @@ def main(argv=None) -> dict:
     record["seconds"] = time.perf_counter() - start
     stem = f"bench-{info['slug']}-{time.strftime('%Y%m%d-%H%M')}" + ("-quick" if args.quick else "")
     os.makedirs(args.out, exist_ok=True)
+    traces = os.path.join(args.out, "traces")  # beside the report, not among it: git ignores benchmarks/results/traces
     for row in record["models"]:  # every rank's comm trace, one Chrome trace file per model and accumulation
         if row.get("chrome_trace"):
-            with open(os.path.join(args.out, f"{stem}-{row['model']}-accum{row['accum']}-trace.json"), "w") as f:
+            os.makedirs(traces, exist_ok=True)
+            with open(os.path.join(traces, f"{stem}-{row['model']}-accum{row['accum']}-trace.json"), "w") as f:
                 json.dump(row.pop("chrome_trace"), f)
     with open(os.path.join(args.out, stem + ".json"), "w") as f:
         json.dump(record, f, indent=1)
