@@ -17,13 +17,13 @@ from .accumulate import GradientAccumulator
 from .chunked import Chunked
 from .overlap import overlap_optimizer
 from .audit import AuditReport, audit
-from .sharded import ShardedDataParallel, ShardedOptimizer
+from .sharded import ShardedDataParallel, ShardedGradScaler, ShardedOptimizer
 from . import elastic
 
 __version__ = "0.1.0"
 __all__ = [
     "AuditReport", "Chunked", "DDP", "DistributedDataParallel", "GradBucket", "GradientAccumulator",
-    "ReplicaMismatchError", "ShardedDataParallel", "ShardedOptimizer", "SyncError", "UntestedTorchWarning", "elastic",
+    "ReplicaMismatchError", "ShardedDataParallel", "ShardedGradScaler", "ShardedOptimizer", "SyncError", "UntestedTorchWarning", "elastic",
     "allreduce_hook", "audit", "bf16_compress_hook", "bf16_wire_hook", "fp16_compress_hook", "noop_hook",
     "overlap_optimizer", "replace_torch_ddp",
 ]

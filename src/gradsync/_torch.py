@@ -1,12 +1,10 @@
 """Every private torch API gradsync uses, bound once, each with what breaks without it.
 
-Nothing else in gradsync names a torch attribute that starts with an underscore (tests/test_layout.py
-checks). Torch's classes and functions are bound here at import, so a user's assignment
-(``torch.nn.parallel.DistributedDataParallel = gradsync.DistributedDataParallel``) or a
-framework's patch of a namespace cannot change what gradsync calls. Checked on torch 2.13.0
-(development pin) and 2.14.1 (``make test-torch-next``) unless an entry says otherwise; 2.13 is the
-declared floor, the oldest release the suite has passed on (gradsync/_torch_range.py warns outside
-the tested range).
+Nothing else in gradsync names a torch attribute that starts with an underscore (tests/test_layout.py checks).
+Torch's classes and functions are bound here at import, so a user's assignment (``torch.nn.parallel.DistributedDataParallel
+= gradsync.DistributedDataParallel``) or a framework's patch of a namespace cannot change what gradsync calls. Checked on
+torch 2.13.0 (development pin) and 2.14.1 (``make test-torch-next``) unless an entry says otherwise; 2.13 is the declared
+floor, the oldest release the suite has passed on (gradsync/_torch_range.py warns outside the tested range).
 """
 from __future__ import annotations
 
@@ -240,6 +238,11 @@ def foreach_div_(tensors: list[torch.Tensor], divisor: int) -> None:
     torch._foreach_div_(tensors, divisor)
 
 
+def unscale_grads_(scaler: Any, *args: Any) -> dict[torch.device, torch.Tensor]:
+    """torch's ``GradScaler._unscale_grads_``: the sharded scaler (``sharded/amp.py``) leaves other optimizers to it."""
+    return torch.amp.GradScaler._unscale_grads_(scaler, *args)
+
+
 def storage_base(t: torch.Tensor) -> torch.Tensor:
     """The tensor ``t`` is a view of, or ``t`` itself (to return a whole buffer to a pool)."""
     return t._base if t._base is not None else t
@@ -264,12 +267,11 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "module_slot_dicts", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group",
-           "device_index",
+__all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "module_slot_dicts", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group", "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_", "foreach_zero_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
            "post_accumulate_hooks", "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
-           "storage_base", "torch_function_disabled", "torch_function_stack", "version"]
+           "storage_base", "torch_function_disabled", "torch_function_stack", "unscale_grads_", "version"]
 
 
 def to_kwargs(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:

@@ -123,6 +123,9 @@ def main() -> None:
                         "contribute to the first re-shard")
     parser.add_argument("--clip", action="store_true", help="clip_grad_norm_(model.parameters(), CLIP) before each step "
                         "(after the optimizer_step point: a kill there is found in its all-reduce)")
+    parser.add_argument("--scaler", action="store_true", help="--sharded: gradsync.ShardedGradScaler with a fixed "
+                        "power-of-two scale (exact); its unscale_ comes after the optimizer_step point, so a kill there is "
+                        "found in its all-reduce")
     parser.add_argument("--delay", action="store_true", help="delay_all_reduce_named_params: the last layer's")
     parser.add_argument("--spare", action="store_true", help="a parameter the forward never uses")
     parser.add_argument("--audit", action="store_true", help="gradsync.audit after each window's step (point audit: "
@@ -168,6 +171,7 @@ def main() -> None:
         gradsync.overlap_optimizer(model, optimizer)
     if not args.plain:
         optimizer = acc.wrap_optimizer(optimizer)
+    scaler = gradsync.ShardedGradScaler(device.type, init_scale=2.0 ** 8, growth_interval=10 ** 6) if args.scaler else None
     state = {"window": -1, "step": -1, "last": False}
     audits = []  # (window, whether its audit completed)
 
@@ -275,15 +279,22 @@ def main() -> None:
         loss = torch.nn.functional.mse_loss(out, y, reduction="sum" if args.items else "mean")
         if at("local_backward", 0) or at("before_reductions", "last"):
             loss.register_hook(lambda g: die())
+        loss = loss if scaler is None else scaler.scale(loss)
         if args.plain:
             loss.backward()
         else:
             acc.backward(loss, num_items=x.shape[0] if args.items else None)
         if (args.plain or acc.is_boundary) and at("optimizer_step"):
             die()
+        if scaler is not None and (args.plain or acc.is_boundary):
+            scaler.unscale_(optimizer)
         if args.clip and (args.plain or acc.is_boundary):
             torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
+        if scaler is not None and (args.plain or acc.is_boundary):
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad()
         if args.audit and (args.plain or acc.is_boundary):
             def audit_loss(module, batch):

@@ -201,6 +201,15 @@ def test_sharded_adamw_drills_lose_no_shard(tmp_path, point, victim, window, los
     check_run(tmp_path, proc, victim=victim, window=window, lost=lost, adamw=True, clip=clip)
 
 
+@pytest.mark.parametrize("point,victim,window,lost", [("during_reductions", 2, 1, STEPS), ("optimizer_step", 1, 2, 0)])
+def test_sharded_adamw_with_a_loss_scaler_drills(tmp_path, point, victim, window, lost):
+    """gradsync.ShardedGradScaler, then clipping: a replica killed just before the step is found in the scaler's
+    all-reduce, after the commit; the survivors re-shard and check their new shards, each unscaled once (the mirrored
+    one with its own), and equal one process with plain AdamW and no scaler (a power-of-two scale is exact)."""
+    proc = launch(tmp_path, "--victim", str(victim), "--window", "1", "--point", point, "--sharded", "--scaler", "--clip")
+    check_run(tmp_path, proc, victim=victim, window=window, lost=lost, adamw=True, clip=True)
+
+
 @pytest.mark.parametrize("point,victim,window,lost", [
     ("local_backward", 2, 1, STEPS), ("during_reductions", 2, 1, STEPS), ("optimizer_step", 1, 2, 0)])
 def test_sharded_bf16_with_reduce_dtype_drills(tmp_path, point, victim, window, lost):
