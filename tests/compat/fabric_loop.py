@@ -1,10 +1,11 @@
 """A Fabric training loop on 2 CPU ranks with gradient accumulation through ``fabric.no_backward_sync``.
 
-    python fabric_loop.py MODE[,MODE...] OUT_DIR      (modes: ddp, gradsync, gradsync_sharded)
+    python fabric_loop.py MODE[,MODE...] OUT_DIR      (modes: ddp, gradsync, gradsync_sharded, amp_ddp, amp_sharded)
 
 The modes run one after another in the same two processes, each writing into ``OUT_DIR/MODE/``.
 
-Fabric's strategy by name: ``ddp`` is torch's DDP, ``gradsync`` needs ``import gradsync.lightning``.
+Fabric's strategy by name: ``ddp`` is torch's DDP, ``gradsync`` needs ``import gradsync.lightning``; ``amp_ddp`` and
+``amp_sharded`` are ``ddp`` and ``gradsync_sharded`` with fp16 autocast and loss scaling (``MixedPrecision`` plugin).
 Rank 1 is started by Fabric re-running this script. 2 epochs of 10 micro-batches per rank, windows
 of 4, 4 and 2, clipped by norm; a comm hook counts the all-reduced buckets (not for the sharded wrapper). Each rank
 writes ``rank<r>.pt`` (weights, optimizer steps, wrapper class, syncs) and, after a
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader
 
 from lightning_fit import ACCUMULATE, BATCH, EPOCHS, dataset
 
-MODES = ("ddp", "gradsync", "gradsync_sharded")
+MODES = ("ddp", "gradsync", "gradsync_sharded", "amp_ddp", "amp_sharded")
 CLIP = 0.05  # clips most windows' gradients (global norm ~0.3): the sharded global norm is compared too
 
 
@@ -42,7 +43,11 @@ def loop(mode: str, out_dir: Path) -> None:
 
     import gradsync.lightning  # noqa: F401  registers Fabric(strategy="gradsync")
 
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=mode)
+    strategy, plugins = mode, []
+    if mode.startswith("amp_"):  # as a plugin: Fabric(accelerator="cpu", precision="16-mixed") is refused
+        from lightning.fabric.plugins import MixedPrecision
+        strategy, plugins = "ddp" if mode == "amp_ddp" else "gradsync_sharded", [MixedPrecision("16-mixed", "cpu")]
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=plugins)
     fabric.launch()
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 4))
@@ -54,7 +59,7 @@ def loop(mode: str, out_dir: Path) -> None:
         syncs[0] += 1
         return allreduce_hook(None, bucket)
 
-    if mode != "gradsync_sharded":
+    if strategy != "gradsync_sharded":
         wrapper.register_comm_hook(None, counting)
     loader = fabric.setup_dataloaders(DataLoader(dataset(), batch_size=BATCH, shuffle=False))
     steps = 0
@@ -81,7 +86,8 @@ def loop(mode: str, out_dir: Path) -> None:
             p.zero_()
     fabric.load(out_dir / "fabric.ckpt", state)
     restored = all(torch.equal(v, net.state_dict()[k]) for k, v in weights.items())
-    (out_dir / f"rank{fabric.global_rank}.done").write_text(f"restored: {restored}\n")
+    scaler = type(getattr(fabric.strategy.precision, "scaler", None)).__name__
+    (out_dir / f"rank{fabric.global_rank}.done").write_text(f"restored: {restored}\n" + (f"scaler: {scaler}\n" if plugins else ""))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ MODE: ``ddp`` (torch's DDP), ``gradsync`` (``strategy="gradsync"``), ``gradsync_
 ``part1`` (``GradsyncStrategy(...)`` with options, 1 epoch, checkpoint into the checkpoint folder), ``resume``
 (the same strategy, 2 epochs from its part1.ckpt), ``part1_sharded`` and ``resume_sharded``
 (the same with ``strategy="gradsync_sharded"``), ``manual_ddp`` and ``manual_gradsync`` (manual
-optimization, accumulating with ``toggle_model``). Same model, data and accumulation as
+optimization, accumulating with ``toggle_model``), ``amp_ddp`` and ``amp_sharded`` (fp16 autocast with loss
+scaling: Lightning's ``MixedPrecision("16-mixed", "cpu")`` plugin, on ``"ddp"`` and ``"gradsync_sharded"``). Same model, data and accumulation as
 ``lightning_fit.py``, whose module writes ``OUT_DIR/MODE/rank<r>.pt``; gradients are clipped by norm
 (``gradient_clip_val``); a callback
 counts the gradient all-reduces (a comm hook; ``ddp_comm_hook=`` in ``part1``/``resume``) into
@@ -29,7 +30,7 @@ from lightning_fit import ACCUMULATE, BATCH, EPOCHS, dataset, make_module
 
 CLIP = 0.05  # gradient_clip_val: clips most windows' gradients, so the clipping paths are compared too
 MODES = ("ddp", "gradsync", "gradsync_sharded", "part1", "resume", "part1_sharded", "resume_sharded",
-         "manual_ddp", "manual_gradsync")
+         "manual_ddp", "manual_gradsync", "amp_ddp", "amp_sharded")
 
 
 def counting_callback(out_dir: Path, register: bool = True):
@@ -112,6 +113,10 @@ def fit(mode: str, out_dir: Path, ckpt_dir: Path) -> None:
             callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="part1", save_top_k=1))
         else:
             ckpt_path = ckpt_dir / "part1.ckpt"
+    plugins = []
+    if mode.startswith("amp_"):  # as a plugin: Trainer(accelerator="cpu", precision="16-mixed") is refused
+        from lightning.pytorch.plugins import MixedPrecision
+        plugins, strategy = [MixedPrecision("16-mixed", "cpu")], "ddp" if mode == "amp_ddp" else "gradsync_sharded"
     module, accumulate = make_module(mode, out_dir), ACCUMULATE
     if mode.startswith("manual"):  # the module accumulates itself
         module, accumulate, strategy = manual_module(mode, out_dir), 1, mode[len("manual_"):]
@@ -119,10 +124,11 @@ def fit(mode: str, out_dir: Path, ckpt_dir: Path) -> None:
                         gradient_clip_val=None if mode.startswith("manual") else CLIP,
                         max_epochs=epochs, logger=False, enable_checkpointing=mode.startswith("part1"),
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
-                        num_sanity_val_steps=0)
+                        num_sanity_val_steps=0, plugins=plugins)
     trainer.fit(module, DataLoader(dataset(), batch_size=BATCH, shuffle=False), ckpt_path=ckpt_path)
     replaced = gradsync.ddp.compat.is_torch_ddp_replaced()
-    (out_dir / f"rank{trainer.global_rank}.done").write_text(f"fit returned; torch ddp replaced: {replaced}\n")
+    scaler = type(getattr(trainer.precision_plugin, "scaler", None)).__name__
+    (out_dir / f"rank{trainer.global_rank}.done").write_text(f"fit returned; torch ddp replaced: {replaced}; scaler: {scaler}\n")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from compat_proc import SRC, run_bounded  # noqa: E402
 
 pytestmark = pytest.mark.compat
 HERE = Path(__file__).parent
-TIMEOUT = 400  # the 7 fits take ~40 s on 2 idle cores (rank 1 is a fresh interpreter)
+TIMEOUT = 400  # the 9 fits take ~50 s on 2 idle cores (rank 1 is a fresh interpreter)
 
 
 def run(script, modes, out):
@@ -59,14 +59,16 @@ def fits(tmp_path_factory):
     one launch (each launch costs two interpreters importing Lightning). "gradsync" goes first: its
     strategy starts rank 1 and forms the process group; the later fits find both in place."""
     return run("lightning_strategy_fit.py", ("gradsync", "ddp", "manual_gradsync", "part1", "resume",
-                                             "part1_sharded", "resume_sharded"), tmp_path_factory.mktemp("fits"))
+                                             "part1_sharded", "resume_sharded", "amp_ddp", "amp_sharded"),
+               tmp_path_factory.mktemp("fits"))
 
 
 @pytest.fixture(scope="module")
 def loops(tmp_path_factory):
     """Fabric loops with no_backward_sync: "gradsync" (its strategy launches), torch's "ddp",
     "gradsync_sharded", in one launch."""
-    return run("fabric_loop.py", ("gradsync", "ddp", "gradsync_sharded"), tmp_path_factory.mktemp("fabric"))
+    return run("fabric_loop.py", ("gradsync", "ddp", "gradsync_sharded", "amp_ddp", "amp_sharded"),
+               tmp_path_factory.mktemp("fabric"))
 
 
 def test_trainer_strategy_gradsync_gives_ddps_weights(fits):
@@ -110,6 +112,16 @@ def test_trainer_gradsync_sharded_resumed_gives_ddps_weights(fits):
     # ShardedOptimizer saves the full optimizer state (torch's format) and loads it back sharded;
     # gradient_clip_val clips the shards by the global norm (unclipped, the weights differ by 0.07)
     assert_same_weights(fits["resume_sharded"], fits["ddp"][0], atol=SHARDED_ATOL)
+
+
+def test_fp16_loss_scaling_on_gradsync_sharded_gives_ddps_weights(fits, loops):
+    """MixedPrecision("16-mixed"): the plugin's torch GradScaler (which finds no gradient on a ShardedOptimizer's shard
+    pieces and raises) becomes a gradsync.ShardedGradScaler; the same steps and weights as torch's DDP and scaler."""
+    for runs in (fits, loops):
+        for r in runs["amp_sharded"]:
+            assert "scaler: ShardedGradScaler" in r["done"] and r["optimizer_steps"] == runs["amp_ddp"][0]["optimizer_steps"]
+        assert "scaler: GradScaler" in runs["amp_ddp"][0]["done"]
+        assert_same_weights(runs["amp_sharded"], runs["amp_ddp"][0], atol=SHARDED_ATOL)
 
 
 def test_fabric_no_backward_sync_gives_ddps_weights(loops):

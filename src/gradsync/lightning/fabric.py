@@ -8,7 +8,8 @@ from lightning.fabric.strategies import DDPStrategy
 from ._lightning import StrategyRegistry
 
 from .. import DistributedDataParallel, ShardedDataParallel
-from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer, take_options, wrap)
+from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer, shard_scaler, take_options,
+                      wrap)
 
 
 class GradsyncFabricStrategy(DDPStrategy):
@@ -38,6 +39,7 @@ class GradsyncFabricStrategy(DDPStrategy):
             return optimizer
         if self._wrapped is None:
             raise RuntimeError("gradsync: with a sharded strategy set up the model before (or with) its optimizers")
+        shard_scaler(self.precision)
         return shard_optimizer(self._wrapped, optimizer)
 
     def setup_module_and_optimizers(self, module: torch.nn.Module, optimizers: list[torch.optim.Optimizer],

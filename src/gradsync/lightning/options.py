@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from ._lightning import BackwardSyncControl
 
-from .. import DistributedDataParallel, ShardedDataParallel, ShardedOptimizer
+from .. import DistributedDataParallel, ShardedDataParallel, ShardedGradScaler, ShardedOptimizer
 from ..engine.config import resolve_reduce_dtype
 
 # Set by the strategy itself (Lightning passes device_ids; the module is the LightningModule).
@@ -107,6 +107,15 @@ def shard_optimizer(model: ShardedDataParallel, optimizer: torch.optim.Optimizer
     defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted}
     groups = [dict(g) for g in optimizer.param_groups]
     return ShardedOptimizer(model, cls, param_groups=groups, **defaults)
+
+
+def shard_scaler(precision: Any) -> None:
+    """fp16 loss scaling on shards: the precision plugin's torch GradScaler becomes a ShardedGradScaler, same state
+    (torch's finds no gradient on a ShardedOptimizer's pieces)."""
+    old = getattr(precision, "scaler", None)
+    if isinstance(old, torch.amp.GradScaler) and not isinstance(old, ShardedGradScaler):
+        precision.scaler = ShardedGradScaler(precision.device, enabled=old.is_enabled())
+        precision.scaler.load_state_dict(old.state_dict())
 
 
 def rebind_scheduler(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:

@@ -11,7 +11,8 @@ from ._lightning import StrategyRegistry
 from lightning.pytorch.strategies import DDPStrategy
 
 from .. import DistributedDataParallel
-from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer, take_options, wrap)
+from .options import (GradsyncBackwardSyncControl, rebind_scheduler, register_names, shard_optimizer, shard_scaler, take_options,
+                      wrap)
 
 
 class GradsyncStrategy(DDPStrategy):
@@ -23,7 +24,7 @@ class GradsyncStrategy(DDPStrategy):
     unknown keyword raises ``TypeError`` here. ``sharded=True`` wraps in ``ShardedDataParallel``
     (then also ``max_inflight``, ``staging_budget_mb``) and turns each configured optimizer into a
     ``ShardedOptimizer`` of the same class and groups (``gradient_clip_val`` clips the shards by
-    the global norm). Gradient accumulation blocks sync with gradsync's ``no_sync()``;
+    the global norm; ``precision="16-mixed"`` scales the loss with a ``ShardedGradScaler``). Gradient accumulation blocks sync with gradsync's ``no_sync()``;
     ``ddp_comm_hook`` is registered on CPU and GPU alike.
     """
 
@@ -59,6 +60,7 @@ class GradsyncStrategy(DDPStrategy):
                 sharded.append(new)
             self.optimizers = sharded
             self._clip_shards()
+            shard_scaler(self.precision_plugin)
 
     def _clip_shards(self) -> None:
         """Gradient clipping on the shards: the precision plugin would clip the optimizer's pieces."""
