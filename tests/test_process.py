@@ -118,7 +118,7 @@ def test_clip_grad_norm_patch_lives_while_an_owner_does():
 
     import torch
 
-    original = torch.nn.utils.clip_grad_norm_
+    original, original_value = torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_value_
 
     class Owner:
         def __init__(self, answer):
@@ -135,9 +135,12 @@ def test_clip_grad_norm_patch_lives_while_an_owner_does():
     process.claim_clip_grad_norm(answering)
     process.claim_clip_grad_norm(passing)  # idempotent
     assert torch.nn.utils.clip_grad_norm_ is not original and "clip_grad_norm_" in process.installed()
+    assert torch.nn.utils.clip_grad_value_ is not original_value
+    assert torch.nn.utils.clip_grad.clip_grad_value_ is torch.nn.utils.clip_grad_value_  # one replacement, both names
     assert torch.nn.utils.clip_grad_norm_([p], 1.0).item() == 7.0 and passing.asked == answering.asked == 1
     process.release_clip_grad_norm(answering)
     assert torch.nn.utils.clip_grad_norm_([p], 1.0).item() > 3.0  # torch's own: the norm before clipping
     del passing
     gc.collect()
     assert torch.nn.utils.clip_grad_norm_ is original and "clip_grad_norm_" not in process.installed()
+    assert torch.nn.utils.clip_grad_value_ is original_value is torch.nn.utils.clip_grad.clip_grad_value_

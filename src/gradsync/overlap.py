@@ -114,9 +114,16 @@ class OverlappedStep:
 
     def clip_grad_norm_for(self, params: list[torch.Tensor], *args: Any) -> None:
         """Asked by ``torch.nn.utils.clip_grad_norm_``: refuse once this backward's step was made."""
+        self._refuse_late(params, "clip_grad_norm_")
+
+    def clip_grad_value_for(self, params: list[torch.Tensor], *args: Any) -> None:
+        """Asked by ``torch.nn.utils.clip_grad_value_``: refuse once this backward's step was made."""
+        self._refuse_late(params, "clip_grad_value_")
+
+    def _refuse_late(self, params: list[torch.Tensor], function: str) -> None:
         if self.stepped and any(id(p) in self._ids for p in params):
             raise RuntimeError(
-                "gradsync: clip_grad_norm_ after a backward whose optimizer step overlap_optimizer "
+                f"gradsync: {function} after a backward whose optimizer step overlap_optimizer "
                 "already made, bucket by bucket: clipping now changes nothing, and a global norm "
                 "cannot be known before the last bucket. Remove overlap_optimizer (handle.remove()) "
                 "to clip.")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import importlib.abc
 import importlib.util
 import sys
@@ -225,30 +226,34 @@ def skip_in_dynamo(module_name: str) -> None:
                           "counters and flags would become guards and recompile at every no_sync switch"))
 
 
-# ---------------------------------------------------------------- torch.nn.utils.clip_grad_norm_
-# Users clip with torch's function. Its answer is wrong for some gradsync models (a sharded model's
-# .grad is None: it would clip nothing and return 0; after an overlapped step clipping is too late),
-# so one patch asks every owner in turn. Explicit is preferred: model.clip_grad_norm_(max_norm).
+# ---------------------------------------------------------------- torch.nn.utils.clip_grad_norm_, clip_grad_value_
+# Users clip with torch's functions. Their answer is wrong for some gradsync models (a sharded model's
+# .grad is None: they would clip nothing; after an overlapped step clipping is too late), so one patch
+# asks every owner in turn. Explicit is preferred: model.clip_grad_norm_(max_norm).
 class ClipOwner(Protocol):
     def clip_grad_norm_for(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
                            error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor | None:
         """The total norm if these parameters are this owner's to clip (clipped), None if none are
         its own; raise to refuse (part of its parameters, or clipping makes no sense now)."""
 
+    def clip_grad_value_for(self, params: list[torch.Tensor], clip_value: float, foreach: bool | None) -> bool | None:
+        """True if these parameters were this owner's to clip (clipped), None if none are its own; raise to refuse."""
+
 
 _clip_owners: dict[int, weakref.ref] = {}  # id -> weak reference, in the order owners claimed
 _CLIP = "clip_grad_norm_"
-_CLIP_NAMES = ((torch.nn.utils, "clip_grad_norm_"), (torch.nn.utils.clip_grad, "clip_grad_norm_"))
+_CLIP_NAMES = tuple((module, name) for name in ("clip_grad_norm_", "clip_grad_value_")
+                    for module in (torch.nn.utils, torch.nn.utils.clip_grad))
 
 
 def claim_clip_grad_norm(owner: ClipOwner) -> None:
-    """Ask ``owner`` first whenever ``torch.nn.utils.clip_grad_norm_`` runs, while it lives."""
+    """Ask ``owner`` first whenever ``torch.nn.utils.clip_grad_norm_`` or ``clip_grad_value_`` runs, while it lives."""
     key = id(owner)
     if key not in _clip_owners:
         _clip_owners[key] = weakref.ref(owner, lambda _, key=key: _drop_clip_owner(key))
     install(Effect(name=_CLIP, apply=_patch_clip, undo=_unpatch_clip,
-                   reason="torch's function reads .grad: for a sharded model it would clip nothing, "
-                          "after an overlapped optimizer step it would clip too late"))
+                   reason="torch's functions read .grad: for a sharded model they would clip nothing, "
+                          "after an overlapped optimizer step they would clip too late"))
 
 
 def release_clip_grad_norm(owner: ClipOwner) -> None:
@@ -268,11 +273,11 @@ _clip_saved: list[tuple[Any, str, Any, Any]] = []  # (module, name, what it held
 
 
 def _patch_clip() -> None:
-    made: dict[int, Any] = {}  # one replacement per original: both names usually hold the same function
+    made: dict[int, Any] = {}  # one replacement per original: both modules usually hold the same function
     for module, name in _CLIP_NAMES:
         original = getattr(module, name)
         if id(original) not in made:
-            made[id(original)] = _asking_owners(original)
+            made[id(original)] = _asking_owners(original, f"{name.rstrip('_')}_for")
         _clip_saved.append((module, name, original, made[id(original)]))
         setattr(module, name, made[id(original)])
 
@@ -284,19 +289,24 @@ def _unpatch_clip() -> None:
             setattr(module, name, original)
 
 
-def _asking_owners(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _asking_owners(original: Callable[..., Any], ask: str) -> Callable[..., Any]:
+    signature = inspect.signature(original)  # owners get every argument, positionally, defaults filled in
+
     @functools.wraps(original)
-    def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2.0,
-                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+    def clip(*args: Any, **kwargs: Any) -> Any:
         owners = [o for o in (ref() for ref in list(_clip_owners.values())) if o is not None]
-        if owners:
-            parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-            for owner in owners:
-                norm = owner.clip_grad_norm_for(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-                if norm is not None:
-                    return norm
-        return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-    return clip_grad_norm_
+        if not owners:
+            return original(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        parameters, *rest = bound.arguments.values()
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for owner in owners:
+            done = getattr(owner, ask)(parameters, *rest)
+            if done is not None:  # the norm, or True for clip_grad_value_ (which returns None, as torch's)
+                return None if done is True else done
+        return original(parameters, *rest)
+    return clip
 
 
 __all__ = ["ClipOwner", "Effect", "State", "announce", "install_exit_hook", "listen", "state", "claim_clip_grad_norm", "install", "installed", "release_clip_grad_norm",

@@ -1,11 +1,12 @@
 """A Fabric training loop on 2 CPU ranks with gradient accumulation through ``fabric.no_backward_sync``.
 
-    python fabric_loop.py MODE[,MODE...] OUT_DIR      (modes: ddp, gradsync, gradsync_sharded, amp_ddp, amp_sharded)
+    python fabric_loop.py MODE[,MODE...] OUT_DIR      (modes: ddp, gradsync, gradsync_sharded, amp_*, value_*)
 
 The modes run one after another in the same two processes, each writing into ``OUT_DIR/MODE/``.
 
 Fabric's strategy by name: ``ddp`` is torch's DDP, ``gradsync`` needs ``import gradsync.lightning``; ``amp_ddp`` and
-``amp_sharded`` are ``ddp`` and ``gradsync_sharded`` with fp16 autocast and loss scaling (``MixedPrecision`` plugin).
+``amp_sharded`` are ``ddp`` and ``gradsync_sharded`` with fp16 autocast and loss scaling (``MixedPrecision`` plugin);
+``value_ddp`` and ``value_sharded`` clip by value (``clip_val=CLIP_VALUE``) instead of by norm.
 Rank 1 is started by Fabric re-running this script. 2 epochs of 10 micro-batches per rank, windows
 of 4, 4 and 2, clipped by norm; a comm hook counts the all-reduced buckets (not for the sharded wrapper). Each rank
 writes ``rank<r>.pt`` (weights, optimizer steps, wrapper class, syncs) and, after a
@@ -24,8 +25,9 @@ from torch.utils.data import DataLoader
 
 from lightning_fit import ACCUMULATE, BATCH, EPOCHS, dataset
 
-MODES = ("ddp", "gradsync", "gradsync_sharded", "amp_ddp", "amp_sharded")
+MODES = ("ddp", "gradsync", "gradsync_sharded", "amp_ddp", "amp_sharded", "value_ddp", "value_sharded")
 CLIP = 0.05  # clips most windows' gradients (global norm ~0.3): the sharded global norm is compared too
+CLIP_VALUE = 0.01  # clip_val: clamps some elements of most windows' gradients
 
 
 def main() -> None:
@@ -47,6 +49,8 @@ def loop(mode: str, out_dir: Path) -> None:
     if mode.startswith("amp_"):  # as a plugin: Fabric(accelerator="cpu", precision="16-mixed") is refused
         from lightning.fabric.plugins import MixedPrecision
         strategy, plugins = "ddp" if mode == "amp_ddp" else "gradsync_sharded", [MixedPrecision("16-mixed", "cpu")]
+    if mode.startswith("value_"):
+        strategy = "ddp" if mode == "value_ddp" else "gradsync_sharded"
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=plugins)
     fabric.launch()
     torch.manual_seed(0)
@@ -69,7 +73,10 @@ def loop(mode: str, out_dir: Path) -> None:
             with fabric.no_backward_sync(model, enabled=not closes):
                 fabric.backward(F.mse_loss(model(x), y) / ACCUMULATE)
             if closes:
-                fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+                if mode.startswith("value_"):
+                    fabric.clip_gradients(model, optimizer, clip_val=CLIP_VALUE)
+                else:
+                    fabric.clip_gradients(model, optimizer, max_norm=CLIP)
                 optimizer.step()
                 optimizer.zero_grad()
                 steps += 1

@@ -11,7 +11,8 @@ MODE: ``ddp`` (torch's DDP), ``gradsync`` (``strategy="gradsync"``), ``gradsync_
 (the same strategy, 2 epochs from its part1.ckpt), ``part1_sharded`` and ``resume_sharded``
 (the same with ``strategy="gradsync_sharded"``), ``manual_ddp`` and ``manual_gradsync`` (manual
 optimization, accumulating with ``toggle_model``), ``amp_ddp`` and ``amp_sharded`` (fp16 autocast with loss
-scaling: Lightning's ``MixedPrecision("16-mixed", "cpu")`` plugin, on ``"ddp"`` and ``"gradsync_sharded"``). Same model, data and accumulation as
+scaling: Lightning's ``MixedPrecision("16-mixed", "cpu")`` plugin, on ``"ddp"`` and ``"gradsync_sharded"``),
+``value_ddp`` and ``value_sharded`` (``gradient_clip_algorithm="value"`` at ``CLIP_VALUE``). Same model, data and accumulation as
 ``lightning_fit.py``, whose module writes ``OUT_DIR/MODE/rank<r>.pt``; gradients are clipped by norm
 (``gradient_clip_val``); a callback
 counts the gradient all-reduces (a comm hook; ``ddp_comm_hook=`` in ``part1``/``resume``) into
@@ -29,8 +30,9 @@ from torch.utils.data import DataLoader
 from lightning_fit import ACCUMULATE, BATCH, EPOCHS, dataset, make_module
 
 CLIP = 0.05  # gradient_clip_val: clips most windows' gradients, so the clipping paths are compared too
+CLIP_VALUE = 0.01  # gradient_clip_algorithm="value": clamps some elements of most windows' gradients
 MODES = ("ddp", "gradsync", "gradsync_sharded", "part1", "resume", "part1_sharded", "resume_sharded",
-         "manual_ddp", "manual_gradsync", "amp_ddp", "amp_sharded")
+         "manual_ddp", "manual_gradsync", "amp_ddp", "amp_sharded", "value_ddp", "value_sharded")
 
 
 def counting_callback(out_dir: Path, register: bool = True):
@@ -117,11 +119,14 @@ def fit(mode: str, out_dir: Path, ckpt_dir: Path) -> None:
     if mode.startswith("amp_"):  # as a plugin: Trainer(accelerator="cpu", precision="16-mixed") is refused
         from lightning.pytorch.plugins import MixedPrecision
         plugins, strategy = [MixedPrecision("16-mixed", "cpu")], "ddp" if mode == "amp_ddp" else "gradsync_sharded"
+    if mode.startswith("value_"):
+        strategy = "ddp" if mode == "value_ddp" else "gradsync_sharded"
     module, accumulate = make_module(mode, out_dir), ACCUMULATE
     if mode.startswith("manual"):  # the module accumulates itself
         module, accumulate, strategy = manual_module(mode, out_dir), 1, mode[len("manual_"):]
     trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=2, accumulate_grad_batches=accumulate,
-                        gradient_clip_val=None if mode.startswith("manual") else CLIP,
+                        gradient_clip_val=None if mode.startswith("manual") else CLIP_VALUE if mode.startswith("value_") else CLIP,
+                        gradient_clip_algorithm="value" if mode.startswith("value_") else "norm",
                         max_epochs=epochs, logger=False, enable_checkpointing=mode.startswith("part1"),
                         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
                         num_sanity_val_steps=0, plugins=plugins)

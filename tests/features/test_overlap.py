@@ -143,6 +143,8 @@ def misuse(rank, world_size, how):
         shard_backward(model, rank, world_size, x, y)
         if how == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if how == "clip_value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
         if how == "closure":
             opt.step(lambda: 0.0)
     return outcome(run)
@@ -154,6 +156,7 @@ def misuse(rank, world_size, how):
     ("foreign", "ValueError", "that the model does not reduce"),
     ("step_without_backward", "RuntimeError", "without a synced backward since the last step"),
     ("clip", "RuntimeError", "clip_grad_norm_ after a backward"),
+    ("clip_value", "RuntimeError", "clip_grad_value_ after a backward"),
     ("closure", "RuntimeError", "step(closure) cannot re-run it"),
 ])
 def test_what_cannot_be_split_per_bucket_raises(how, error, words):

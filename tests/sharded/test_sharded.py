@@ -327,6 +327,33 @@ def test_torch_clip_grad_norm_clips_the_shards():
     run_ranks(torch_clip, 2)
 
 
+def clip_by_value(rank, world_size):
+    ours = gradsync.ShardedDataParallel(model(seed=0), **CAPS)
+    twin = gradsync.ShardedDataParallel(model(seed=0), **CAPS)
+    theirs = nn.parallel.DistributedDataParallel(model(seed=0))
+    opts = [gradsync.ShardedOptimizer(ours, torch.optim.AdamW, lr=0.01),
+            gradsync.ShardedOptimizer(twin, torch.optim.AdamW, lr=0.01), torch.optim.AdamW(theirs.parameters(), lr=0.01)]
+    data = batches(2 * K, world_size, per_rank=4)
+    for w in range(2):
+        window(w, data, rank, world_size, [(ours, "no_sync"), (twin, "no_sync"), (theirs, "no_sync")])
+        assert max(p.grad.abs().max().item() for p in theirs.parameters()) > 0.01  # the clamp is active
+        torch.nn.utils.clip_grad_value_(ours.parameters(), 0.01)  # torch's function on the shards
+        twin.clip_grad_value_(0.01)
+        torch.nn.utils.clip_grad.clip_grad_value_(theirs.parameters(), 0.01)  # not sharded: torch's own
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    assert_close_dicts(params(ours.module), params(theirs.module))
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), twin.parameters()))
+    with pytest.raises(RuntimeError, match="some, not all.*model.clip_grad_value_"):
+        torch.nn.utils.clip_grad_value_(list(ours.parameters())[:2], 0.01)
+
+
+def test_torch_clip_grad_value_clamps_the_shards():
+    """A sharded model's .grad is None after a synced backward: torch's function alone would clamp nothing."""
+    run_ranks(clip_by_value, 2)
+
+
 def refuse_alone(rank, world_size):
     """Only rank 0 constructs: a refusal that came after the construction's first collective would
     meet no peer and end in a SyncError after ``timeout`` instead."""

@@ -18,8 +18,9 @@ class GradsyncFabricStrategy(DDPStrategy):
     Fabric's ``DDPStrategy`` arguments plus gradsync's wrapper options, checked as in
     ``GradsyncStrategy``. ``fabric.no_backward_sync(model)`` enters gradsync's ``no_sync()``.
     ``sharded=True`` wraps in ``ShardedDataParallel``; optimizers set up with the model (or after
-    it) become ``ShardedOptimizer`` of the same class and groups, and ``fabric.clip_gradients(...,
-    max_norm=...)`` clips the shards by the global norm. ``fabric.save``/``load`` see the
+    it) become ``ShardedOptimizer`` of the same class and groups, ``fabric.clip_gradients(...,
+    max_norm=...)`` clips the shards by the global norm (``clip_val=``: each rank clamps its shards), and fp16
+    loss scaling gets a ``ShardedGradScaler``. ``fabric.save``/``load`` see the
     inner module's state dict, as with Fabric's DDP.
     """
 
@@ -59,10 +60,11 @@ class GradsyncFabricStrategy(DDPStrategy):
         return model.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)  # global norm over the shards
 
     def clip_gradients_value(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
-        if self._sharded:
-            raise NotImplementedError("gradsync: clipping by value is not supported with a sharded strategy; "
-                                      "use fabric.clip_gradients(model, optimizer, max_norm=...)")
-        return super().clip_gradients_value(module, optimizer, clip_val)
+        if not self._sharded:
+            return super().clip_gradients_value(module, optimizer, clip_val)
+        self.precision.unscale_gradients(optimizer)
+        model = module if isinstance(module, ShardedDataParallel) else self._wrapped
+        model.clip_grad_value_(clip_val)  # element by element: each rank clamps its own shards
 
     def get_module_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
         if isinstance(module, DistributedDataParallel):

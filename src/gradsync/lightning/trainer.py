@@ -23,8 +23,9 @@ class GradsyncStrategy(DDPStrategy):
     ``reduce_dtype``, ``check_finite``, ..., and ``sync_timeout`` for gradsync's ``timeout``); an
     unknown keyword raises ``TypeError`` here. ``sharded=True`` wraps in ``ShardedDataParallel``
     (then also ``max_inflight``, ``staging_budget_mb``) and turns each configured optimizer into a
-    ``ShardedOptimizer`` of the same class and groups (``gradient_clip_val`` clips the shards by
-    the global norm; ``precision="16-mixed"`` scales the loss with a ``ShardedGradScaler``). Gradient accumulation blocks sync with gradsync's ``no_sync()``;
+    ``ShardedOptimizer`` of the same class and groups (``gradient_clip_val`` clips the shards, by the
+    global norm or by value; ``precision="16-mixed"`` scales the loss with a ``ShardedGradScaler``). Gradient
+    accumulation blocks sync with gradsync's ``no_sync()``;
     ``ddp_comm_hook`` is registered on CPU and GPU alike.
     """
 
@@ -63,15 +64,14 @@ class GradsyncStrategy(DDPStrategy):
             shard_scaler(self.precision_plugin)
 
     def _clip_shards(self) -> None:
-        """Gradient clipping on the shards: the precision plugin would clip the optimizer's pieces."""
+        """Gradient clipping on the shards: the precision plugin would clip the optimizer's pieces (no ``.grad`` there)."""
         strategy = self
 
         def by_norm(optimizer: Any, clip_val: float) -> None:
             strategy.model.clip_grad_norm_(clip_val)  # the global norm over every rank's shard
 
         def by_value(optimizer: Any, clip_val: float) -> None:
-            raise NotImplementedError("gradsync: gradient_clip_algorithm='value' is not supported with a "
-                                      "sharded strategy; use gradient_clip_algorithm='norm'")
+            strategy.model.clip_grad_value_(clip_val)  # element by element: each rank clamps its own shards
 
         self.precision_plugin.clip_grad_by_norm = by_norm
         self.precision_plugin.clip_grad_by_value = by_value

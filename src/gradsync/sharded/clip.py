@@ -45,11 +45,21 @@ def clip_shards(reducer: Any, max_norm: float, norm_type: float = 2.0,
     return total
 
 
-class _ShardedClip:
-    """Answers ``torch.nn.utils.clip_grad_norm_`` for one sharded reducer (``process.py``).
+@torch.no_grad()
+def clip_shards_by_value(reducer: Any, clip_value: float) -> None:
+    """Clamp ``reducer``'s gradient shards to [-clip_value, clip_value]: element by element, so no rank needs another's."""
+    reducer.store.check_ready_to_step()
+    for b in reducer.buckets:
+        for shard in (b.grad_shard, b.mirror_shard):
+            if shard is not None:
+                shard.clamp_(-float(clip_value), float(clip_value))
 
-    Its ``.grad`` is None after a synced backward: torch's function would clip nothing and return
-    0. Given all of the model's parameters, it clips the shards; given part of them, it refuses.
+
+class _ShardedClip:
+    """Answers ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` for one sharded reducer (``process.py``).
+
+    Its ``.grad`` is None after a synced backward: torch's functions would clip nothing (the norm:
+    return 0). Given all of the model's parameters, it clips the shards; given part of them, it refuses.
     """
 
     def __init__(self, reducer: Any):
@@ -58,6 +68,18 @@ class _ShardedClip:
 
     def clip_grad_norm_for(self, params: list[torch.Tensor], max_norm: float, norm_type: float,
                            error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor | None:
+        reducer = self._given(params, "clip_grad_norm_", "clip_grad_norm_(max_norm), which clips all of them by their global norm")
+        return None if reducer is None else clip_shards(reducer, max_norm, norm_type, error_if_nonfinite)
+
+    def clip_grad_value_for(self, params: list[torch.Tensor], clip_value: float, foreach: bool | None) -> bool | None:
+        reducer = self._given(params, "clip_grad_value_", "clip_grad_value_(clip_value), which clamps all of them")
+        if reducer is None:
+            return None
+        clip_shards_by_value(reducer, clip_value)
+        return True
+
+    def _given(self, params: list[torch.Tensor], function: str, instead: str) -> Any:
+        """The reducer if ``params`` are all of its parameters, None if none are; else refuse."""
         reducer = self.reducer()
         given = {id(p) for p in params if id(p) in self.ids}
         if reducer is None or not given:
@@ -65,18 +87,17 @@ class _ShardedClip:
         others = [p for p in params if id(p) not in self.ids and p.grad is not None]
         if len(given) < len(self.ids) or others:
             raise RuntimeError(
-                "gradsync: torch.nn.utils.clip_grad_norm_ got some, not all, of a "
+                f"gradsync: torch.nn.utils.{function} got some, not all, of a "
                 "ShardedDataParallel model's parameters (or them mixed with other parameters "
-                "that have gradients). Their gradients live in per-rank shards; call "
-                "model.clip_grad_norm_(max_norm), which clips all of them by their global norm.")
-        return clip_shards(reducer, max_norm, norm_type, error_if_nonfinite)
+                f"that have gradients). Their gradients live in per-rank shards; call model.{instead}.")
+        return reducer
 
 
 _owners: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # reducer -> its _ShardedClip
 
 
 def claim_for_sharded(reducer: Any) -> None:
-    """Let ``torch.nn.utils.clip_grad_norm_`` clip ``reducer``'s shards while it lives."""
+    """Let ``torch.nn.utils.clip_grad_norm_`` and ``clip_grad_value_`` clip ``reducer``'s shards while it lives."""
     if reducer not in _owners:
         _owners[reducer] = owner = _ShardedClip(reducer)
         process.claim_clip_grad_norm(owner)
@@ -88,4 +109,4 @@ def release_for_sharded(reducer: Any) -> None:
         process.release_clip_grad_norm(owner)
 
 
-__all__ = ["claim_for_sharded", "clip_shards", "release_for_sharded"]
+__all__ = ["claim_for_sharded", "clip_shards", "clip_shards_by_value", "release_for_sharded"]

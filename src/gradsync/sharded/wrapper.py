@@ -20,7 +20,7 @@ from ..engine.config import ReducerConfig
 from ..engine.reducer import Reducer
 from .launcher import ShardedLauncher
 from .store import ShardedBucketStore
-from .clip import claim_for_sharded, clip_shards, release_for_sharded
+from .clip import claim_for_sharded, clip_shards, clip_shards_by_value, release_for_sharded
 
 MAX_INFLIGHT = 2  # reduce-scatters in flight during backward: two let gloo's threads reduce two buckets
 
@@ -131,6 +131,11 @@ class ShardedDataParallel(DistributedDataParallel):
         ``ShardedDataParallel`` exists; given only part of the parameters it raises.
         """
         return clip_shards(self.reducer, max_norm, norm_type, error_if_nonfinite)
+
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the sharded gradient to [-clip_value, clip_value], as ``torch.nn.utils.clip_grad_value_`` does
+        (which, given ``model.parameters()``, does the same once a ``ShardedDataParallel`` exists)."""
+        clip_shards_by_value(self.reducer, clip_value)
 
 
 def _skip_frames() -> None:
