@@ -35,9 +35,9 @@ def is_future(handle: Any) -> bool:
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
-    """Run ``callback`` when the autograd engine finishes the current backward (torch's reducer
-    does the same in C++). Without it the end of backward is never seen and nothing is reduced.
-    Compiled autograd never runs such callbacks: see ``in_compiled_autograd``."""
+    """Run ``callback`` when the autograd engine finishes the current backward (torch's reducer does the same in
+    C++). Without it the end of backward is never seen and nothing is reduced. Compiled autograd never runs such
+    callbacks: see ``in_compiled_autograd``."""
     _engine.queue_callback(callback)
 
 
@@ -53,8 +53,8 @@ def in_compiled_autograd() -> bool:
 
 
 def has_cpu_backend(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` can all-reduce CPU tensors (gloo, or a group with a CPU backend beside NCCL).
-    Without it, a device's control plane gets a gloo group of its own (``engine/groups.py``)."""
+    """Whether ``group`` can all-reduce CPU tensors (gloo, or a group with a CPU backend beside NCCL). Without it,
+    a device's control plane gets a gloo group of its own (``engine/groups.py``)."""
     try:
         group._get_backend(torch.device("cpu"))
     except (RuntimeError, AttributeError, ValueError):
@@ -63,10 +63,8 @@ def has_cpu_backend(group: dist.ProcessGroup) -> bool:
 
 
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta:
-    """The process group's own timeout for ``device``'s backend, else torch's default.
-
-    Without it ``timeout=None`` would fall back to torch's 30-minute default even when the
-    group was created with a shorter one."""
+    """The process group's own timeout for ``device``'s backend, else torch's default. Without it ``timeout=None``
+    would fall back to torch's 30-minute default even when the group was created with a shorter one."""
     try:
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
@@ -80,10 +78,10 @@ def default_first_bucket_bytes() -> int:
 
 @contextlib.contextmanager
 def active_ddp_module(module: Any, first_bucket_bytes: int) -> Iterator[None]:
-    """Inside, Dynamo's DDP optimizer splits compiled graphs at ``module.bucket_bytes_cap``
-    (``torch/_dynamo/convert_frame.py`` reads ``TorchDDP._get_active_ddp_module()``) with
-    ``first_bucket_bytes`` as the first cap (``backends/distributed.py`` reads torch's default).
-    Without it a compiled backward is one graph and every bucket launches after it: no overlap."""
+    """Inside, Dynamo's DDP optimizer splits compiled graphs at ``module.bucket_bytes_cap`` (``torch/_dynamo/
+    convert_frame.py`` reads ``TorchDDP._get_active_ddp_module()``) with ``first_bucket_bytes`` as the first cap
+    (``backends/distributed.py`` reads torch's default). Without it a compiled backward is one graph and every
+    bucket launches after it: no overlap."""
     old, old_first = TORCH_DDP._active_ddp_module, dist._DEFAULT_FIRST_BUCKET_BYTES
     TORCH_DDP._active_ddp_module, dist._DEFAULT_FIRST_BUCKET_BYTES = module, first_bucket_bytes
     try:
@@ -116,11 +114,9 @@ def compile_throwaway(*backends: str) -> None:
 
 
 def dynamo_skip_dirs() -> list[str] | None:
-    """Dynamo's list of skipped source directories, or None before ``torch._dynamo`` was imported.
-
-    Entries added here make Dynamo run those files eagerly, as it runs torch's own DDP wrapper;
-    without it Dynamo traces the wrapper, and its counters become guards that recompile at every
-    switch between ``no_sync`` and synced micro-steps."""
+    """Dynamo's list of skipped source directories, or None before ``torch._dynamo`` was imported. Entries added
+    here make Dynamo run those files eagerly, as it runs torch's own DDP wrapper; without it Dynamo traces the
+    wrapper, and its counters become guards that recompile at every switch between ``no_sync`` and synced ones."""
     rules = sys.modules.get("torch._dynamo.trace_rules")
     return None if rules is None else rules.SKIP_DIRS
 
@@ -152,8 +148,7 @@ def torch_function_stack() -> list[Any]:
 
 
 def push_torch_function_mode(mode: Any) -> None:
-    """Push ``mode`` on this thread's torch-function stack without a ``with`` block (it is popped
-    later, from another call: ``pop_torch_function_mode``)."""
+    """Push ``mode`` on this thread's torch-function stack without a ``with`` (``pop_torch_function_mode`` pops it)."""
     torch._C._push_on_torch_function_stack(mode)
 
 
@@ -183,8 +178,8 @@ def caller_frame() -> Any:
 
 
 def functional_call_code() -> Any:
-    """The code object of ``torch.func.functional_call``'s worker, to find it on the stack (it swaps
-    parameters for one call; without this the swap looks like a replaced parameter and raises)."""
+    """The code object of ``torch.func.functional_call``'s worker, to find it on the stack (it swaps parameters
+    for one call; without this the swap looks like a replaced parameter and raises)."""
     from torch.nn.utils import stateless
     return stateless._functional_call.__code__
 
@@ -243,6 +238,13 @@ def unscale_grads_(scaler: Any, *args: Any) -> dict[torch.device, torch.Tensor]:
     return torch.amp.GradScaler._unscale_grads_(scaler, *args)
 
 
+def claim_amp_scaling(optimizer: torch.optim.Optimizer, claim: bool = True) -> None:
+    """torch's GradScaler then calls ``optimizer.step()`` every time, with ``found_inf`` and ``grad_scale`` set (its
+    contract for optimizers that scale themselves), instead of skipping the call on an inf; ``claim=False`` undoes."""
+    optimizer.__dict__.update(_step_supports_amp_scaling=True) if claim else \
+        optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+
+
 def storage_base(t: torch.Tensor) -> torch.Tensor:
     """The tensor ``t`` is a view of, or ``t`` itself (to return a whole buffer to a pool)."""
     return t._base if t._base is not None else t
@@ -258,8 +260,8 @@ def unchanged(mark: tuple[Any, int] | None, t: torch.Tensor | None) -> bool:
 
 
 def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
-    """True when ``grad_fn`` is a mean over more than ``numel`` elements, or a loss with
-    ``reduction='mean'`` (at::Reduction 1). Only warns: a False costs a missed warning."""
+    """True when ``grad_fn`` is a mean over more than ``numel`` elements, or a loss with ``reduction='mean'``
+    (at::Reduction 1). Only warns: a False costs a missed warning."""
     if grad_fn is None:
         return False
     if type(grad_fn).__name__ in ("MeanBackward0", "MeanBackward1"):
@@ -267,7 +269,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "caller_frame", "compile_throwaway", "module_slot_dicts", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group", "device_index",
+__all__ = ["BatchNormBase", "Future", "caller_frame", "claim_amp_scaling", "compile_throwaway", "module_slot_dicts", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group", "device_index",
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_", "foreach_zero_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
            "post_accumulate_hooks", "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
@@ -307,12 +309,10 @@ def default_store() -> Any:  # the default group's store: a replacement group ca
 
 
 def detach_default_group() -> Any:
-    """Unregister torch's default process group without shutting it down; return it (or None).
-
-    Elastic membership (``elastic/membership.py``) replaces the default group when a member leaves.
-    ``destroy_process_group`` would shut the old group down, which joins its worker threads, and a
-    thread whose collective waits on a member that stopped sending blocks until gloo's timeout. The
-    caller keeps the returned group referenced so that its destructor does not run either."""
+    """Unregister torch's default process group without shutting it down; return it (or None). Elastic membership
+    (``elastic/membership.py``) replaces the default group when a member leaves. ``destroy_process_group`` would
+    shut the old group down, which joins its worker threads, and a thread whose collective waits on a member that
+    stopped sending blocks until gloo's timeout. The caller keeps the group referenced: its destructor must not run."""
     if not dist.is_initialized():
         return None
     c10d = dist.distributed_c10d

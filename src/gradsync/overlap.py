@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from . import process
-from ._torch import foreach_mul_
+from ._torch import claim_amp_scaling, foreach_mul_
 from .ddp.seam import ReducerView, SyncTarget
 from .accumulate.optim import WindowOptimizer
 
@@ -63,6 +63,7 @@ class OverlappedStep:
         self._group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._plain_step = optimizer.step
         optimizer.step = self._step  # an instance attribute: remove() deletes it
+        claim_amp_scaling(optimizer)  # so a GradScaler calls step() every time, and _step refuses it
         reducer.on_bucket_reduced(self._step_bucket)
         self._ids = frozenset(owned)
         process.claim_clip_grad_norm(self)  # refuse clipping after an overlapped step (clip_grad_norm_for)
@@ -93,6 +94,12 @@ class OverlappedStep:
         self.stepped = last or self.stepped
 
     def _step(self, closure: Any = None) -> Any:
+        if "found_inf" in self.optimizer.__dict__:  # set by torch's GradScaler.step (claim_amp_scaling)
+            raise RuntimeError(
+                "gradsync: overlap_optimizer cannot serve a GradScaler: each bucket stepped inside the synced "
+                "backward on the gradients as they were, scaled and not yet checked for inf/NaN, before the "
+                "scaler could unscale them or skip the step. Remove overlap_optimizer (handle.remove()) to "
+                "scale the loss, or use bf16 autocast, which needs no loss scaling.")
         if closure is not None:
             raise RuntimeError("gradsync: with overlap_optimizer the step happens inside the synced "
                                "backward; step(closure) cannot re-run it. Call backward, then step().")
@@ -110,6 +117,7 @@ class OverlappedStep:
             self.reducer.on_bucket_reduced(None)
             _STEPS.pop(id(self.reducer), None)
         self.optimizer.__dict__.pop("step", None)
+        claim_amp_scaling(self.optimizer, False)
         process.release_clip_grad_norm(self)
 
     def clip_grad_norm_for(self, params: list[torch.Tensor], *args: Any) -> None:

@@ -1,5 +1,6 @@
 """GradientAccumulator: windows, communication counts, schedules, end of data, exact normalization."""
 import collections
+import contextlib
 import warnings
 
 import pytest
@@ -264,6 +265,32 @@ def test_wrapped_optimizer_and_scheduler_do_nothing_off_a_boundary():
         opt.step(); sched.step(); sched.step(); opt.zero_grad()  # noqa: E702
     assert raw.param_groups[0]["lr"] == 0.05  # one scheduler step per window, however often called
     assert model[0].weight.grad is None and len(raw.state) == len(list(model.parameters()))
+
+
+def fused_and_scaled(rank, world_size, wrapped):
+    model = gradsync.DDP(mlp(seed=0), **CAPS)
+    acc = gradsync.GradientAccumulator(model, steps=2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)  # it unscales and skips itself
+    stepper = acc.wrap_optimizer(opt) if wrapped else opt
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for i, (x, y) in enumerate(batches(6, world_size)):
+        with acc.accumulate() if wrapped else model.no_sync() if i % 2 == 0 else contextlib.nullcontext():
+            loss = scaler.scale(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+            acc.backward(loss) if wrapped else (loss / 2).backward()  # the accumulator averages the window
+        if i % 2 == 0:  # the window's first micro-step (the accumulator's boundary is every second)
+            continue
+        scaler.step(stepper)
+        scaler.update()
+        stepper.zero_grad()
+    return params(model.module)
+
+
+def test_a_wrapped_fused_optimizer_gets_the_scalers_unscale_and_skip():
+    """torch's GradScaler hands an optimizer that unscales itself (fused=True) grad_scale and found_inf as attributes
+    of what it was given: the accumulator's wrapper passes them on (without them it stepped on scaled gradients)."""
+    wrapped, plain = run_ranks(fused_and_scaled, 2, True), run_ranks(fused_and_scaled, 2, False)
+    for a, b in zip(wrapped, plain):
+        assert all(torch.equal(a[k], b[k]) for k in a)  # powers of two: scaling and averaging are exact
 
 
 def run_resumable(stop_after, state=None):

@@ -29,9 +29,17 @@ class WindowOptimizer(torch.optim.Optimizer):
     defaults = property(lambda self: self.optimizer.defaults)
 
     def step(self, closure: Any = None) -> Any:
-        if self._acc.is_boundary and not self._acc.window_empty:  # every micro-step skipped: no step
+        if not self._acc.is_boundary or self._acc.window_empty:  # every micro-step skipped: no step
+            return None
+        # torch's GradScaler sets these on the optimizer it was given, for one that unscales and skips
+        # itself (fused Adam/SGD): the wrapped one must see them, or it steps on scaled gradients
+        scaling = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
+        self.optimizer.__dict__.update(scaling)
+        try:
             return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-        return None
+        finally:
+            for k in scaling:
+                self.optimizer.__dict__.pop(k, None)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._acc.may_zero():
