@@ -1,4 +1,6 @@
 """AMP loss scaling on a sharded model: gradsync.ShardedGradScaler against torch's DDP + torch's GradScaler."""
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -90,3 +92,35 @@ def test_with_any_other_optimizer_it_is_torchs_scaler():
         runs.append((params(net), scaler.get_scale()))
     assert runs[0][1] == runs[1][1] == 2.0 ** 9
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0].values(), runs[1][0].values()))
+
+
+def mixed_scales(rank, world_size):
+    ours = gradsync.ShardedDataParallel(mlp(seed=0, width=33), **CAPS)
+    theirs = nn.parallel.DistributedDataParallel(mlp(seed=0, width=33))
+    opt, their_opt = gradsync.ShardedOptimizer(ours, torch.optim.AdamW, lr=0.01), torch.optim.AdamW(theirs.parameters(), lr=0.01)
+    scaler = gradsync.ShardedGradScaler("cpu", init_scale=2.0 ** (10 + rank), growth_interval=2)  # as a fresh joiner's would
+    their_scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 9, growth_interval=2)  # every rank's after the skip
+    start = params(ours.module)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step, (x, y) in enumerate(batches(STEPS, world_size)):
+            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+            runs = [(ours, opt, scaler)] + ([(theirs, their_opt, their_scaler)] if step else [])
+            for net, optimizer, s in runs:
+                s.scale(F.mse_loss(net(xs), ys)).backward()
+                s.step(optimizer)
+                s.update()
+                optimizer.zero_grad()
+            if step == 0:
+                skipped = all(torch.equal(a, b) for a, b in zip(params(ours.module).values(), start.values()))
+                first = scaler.get_scale()
+    warned = [str(w.message) for w in caught if "loss scales differed" in str(w.message)]
+    return skipped, first, scaler.get_scale(), their_scaler.get_scale(), params(ours.module), params(theirs.module), warned
+
+
+def test_ranks_whose_scales_differ_skip_that_step_and_take_the_smallest():
+    """Scaled gradients of different scales were summed: no rank steps on them, and from then on they agree."""
+    for skipped, first, last, their_last, ours, theirs, warned in run_ranks(mixed_scales, 2):
+        assert skipped and first == 2.0 ** 9 and last == their_last  # the smallest, backed off, on every rank
+        assert len(warned) == 1 and "gradsync.elastic.register('scaler', scaler)" in warned[0]
+        assert_close_dicts(ours, theirs)

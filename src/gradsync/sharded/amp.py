@@ -1,6 +1,7 @@
 """``ShardedGradScaler``: AMP loss scaling for a ``ShardedOptimizer``, every rank stepping or skipping alike."""
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -24,7 +25,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
     in one shard; with no gradient on the optimizer's shard pieces it raises "No inf checks were
     recorded". This scaler checks the shards (the mirrored one too), combines the ranks' findings in
     one small all-reduce per ``unscale_`` (bounded by the model's timeout), and unscales: every rank
-    skips or takes the step alike, and ``update()`` moves every rank's scale alike. A wrapper holding a
+    skips or takes the step alike, and ``update()`` moves every rank's scale alike. Ranks whose scales differ (a
+    joiner's fresh scaler) skip that step and all take the smallest, with a warning. A wrapper holding a
     ``ShardedOptimizer`` as ``.optimizer`` (``GradientAccumulator.wrap_optimizer``) is looked through;
     with any other optimizer it is torch's scaler.
     """
@@ -43,7 +45,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         # checked before anything changes: a member that leaves in the all-reduce leaves the shards to re-shard
         bad = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any() if grads else \
             torch.zeros((), dtype=torch.bool, device=device)
-        flag = bad.to(torch.float32).reshape(1)
+        scale = self._scale.to(device=device, dtype=torch.float32).reshape(())
+        flag = torch.stack([bad.to(torch.float32), scale, -scale])  # any inf, the largest scale, minus the smallest
         try:
             reducer.wait(dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=reducer.group, async_op=True),
                          "the loss scaler's inf/NaN check")
@@ -52,10 +55,22 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 raise
             reducer.attached.recover(exc)  # the survivors re-shard (regroup.py) and check their new shards
             return self._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        found_inf.copy_(flag.reshape(found_inf.shape).to(found_inf.device))
+        if bool(flag[1] != -flag[2]):  # scaled gradients of different scales were summed: no rank may step on them
+            self._agree_on_scale(-flag[2], flag[1])
+            flag[0] = 1.0
+        found_inf.copy_(flag[0].reshape(found_inf.shape).to(found_inf.device))
         if grads:
             foreach_mul_(grads, inv_scale.to(device))
         return {found_inf.device: found_inf}
+
+    def _agree_on_scale(self, smallest: torch.Tensor, largest: torch.Tensor) -> None:
+        """Every rank takes the smallest scale; the step is skipped, so ``update()`` then backs off alike everywhere."""
+        warnings.warn(f"gradsync: the ranks' loss scales differed ({smallest.item():g} to {largest.item():g}), so the "
+                      "reduced gradient mixed scales: every rank skips this step and takes the smallest scale. A "
+                      "replica that joined an elastic job starts with a fresh scaler: register it "
+                      "(gradsync.elastic.register('scaler', scaler)) so that it receives the members' scale.",
+                      stacklevel=4)
+        self._scale.copy_(smallest.reshape(self._scale.shape).to(self._scale))
 
 
 __all__ = ["ShardedGradScaler", "shard_grads"]
