@@ -133,6 +133,43 @@ def test_two_ranks_share_one_gpu_over_gloo():
         assert_close_dicts(mine, reference)
 
 
+# ---------------------------------------------------------------- fp16 loss scaling on shards
+def poison(grad):
+    grad = grad.clone()
+    grad.view(-1)[0] = float("inf")  # after the reduce-scatter: in one rank's shard only
+    return grad
+
+
+def scaled_shards(rank, world_size, kind="cuda"):
+    """fp16 autocast and loss scaling: ShardedGradScaler on a sharded model, torch's scaler on torch's DDP; in step 1
+    one element of rank 0's gradient is inf, so every rank must skip that step. ``kind="cpu"``: the same on the CPU."""
+    device = device_of(rank) if kind == "cuda" else torch.device("cpu")
+    ours = gradsync.ShardedDataParallel(net().to(device), bucket_cap_mb=0.01)
+    theirs = TorchDDP(net().to(device))
+    runs = [(ours, gradsync.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-3), gradsync.ShardedGradScaler(kind)),
+            (theirs, torch.optim.AdamW(theirs.parameters(), lr=1e-3), torch.amp.GradScaler(kind))]
+    out = []
+    for model, opt, scaler in runs:
+        for step, (x, y) in enumerate(data(device, 4, rank)):
+            with torch.autocast(kind, dtype=torch.float16):
+                loss = F.mse_loss(model(x).float(), y)
+            handle = model.module[0].weight.register_hook(poison) if step == 1 and rank == 0 else None
+            scaler.scale(loss).backward()
+            if handle is not None:
+                handle.remove()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        out.append(({n: p.detach().float().cpu() for n, p in model.module.named_parameters()}, scaler.get_scale()))
+    return out
+
+
+def test_fp16_loss_scaling_on_shards_skips_together():
+    for (mine, my_scale), (reference, their_scale) in run_ranks(scaled_shards, 2, backend="gloo", start_method="spawn"):
+        assert my_scale == their_scale  # the poisoned step was skipped, and the scale backed off, on every rank
+        assert_close_dicts(mine, reference)
+
+
 def bf16_fp32_reduce(rank, world_size):
     device = device_of(rank)
     model = gradsync.DDP(net(torch.bfloat16).to(device), device_ids=[device.index], reduce_dtype=torch.float32)
