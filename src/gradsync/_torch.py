@@ -53,8 +53,7 @@ def in_compiled_autograd() -> bool:
 
 
 def has_cpu_backend(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` can all-reduce CPU tensors (gloo, or a group with a CPU backend beside NCCL). Without it,
-    a device's control plane gets a gloo group of its own (``engine/groups.py``)."""
+    """Whether ``group`` can all-reduce CPU tensors (gloo, or CPU beside NCCL); else the control plane gets its own (groups.py)."""
     try:
         group._get_backend(torch.device("cpu"))
     except (RuntimeError, AttributeError, ValueError):
@@ -238,11 +237,12 @@ def unscale_grads_(scaler: Any, *args: Any) -> dict[torch.device, torch.Tensor]:
     return torch.amp.GradScaler._unscale_grads_(scaler, *args)
 
 
-def claim_amp_scaling(optimizer: torch.optim.Optimizer, claim: bool = True) -> None:
-    """torch's GradScaler then calls ``optimizer.step()`` every time, with ``found_inf`` and ``grad_scale`` set (its
-    contract for optimizers that scale themselves), instead of skipping the call on an inf; ``claim=False`` undoes."""
-    optimizer.__dict__.update(_step_supports_amp_scaling=True) if claim else \
-        optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+def claim_amp_scaling(optimizer: torch.optim.Optimizer, claim: bool | None = True) -> bool | None:
+    """Set ``optimizer``'s own ``_step_supports_amp_scaling`` (None: remove it) and return what it held. True: torch's
+    GradScaler calls ``step()`` every time with ``found_inf``/``grad_scale`` set (its contract for fused optimizers)."""
+    held = optimizer.__dict__.pop("_step_supports_amp_scaling", None)
+    optimizer.__dict__.update(_step_supports_amp_scaling=claim) if claim is not None else None
+    return held
 
 
 def storage_base(t: torch.Tensor) -> torch.Tensor:

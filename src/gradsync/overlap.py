@@ -63,7 +63,7 @@ class OverlappedStep:
         self._group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._plain_step = optimizer.step
         optimizer.step = self._step  # an instance attribute: remove() deletes it
-        claim_amp_scaling(optimizer)  # so a GradScaler calls step() every time, and _step refuses it
+        self._held_amp = claim_amp_scaling(optimizer)  # a GradScaler then calls step() every time: _step refuses it
         reducer.on_bucket_reduced(self._step_bucket)
         self._ids = frozenset(owned)
         process.claim_clip_grad_norm(self)  # refuse clipping after an overlapped step (clip_grad_norm_for)
@@ -117,7 +117,7 @@ class OverlappedStep:
             self.reducer.on_bucket_reduced(None)
             _STEPS.pop(id(self.reducer), None)
         self.optimizer.__dict__.pop("step", None)
-        claim_amp_scaling(self.optimizer, False)
+        claim_amp_scaling(self.optimizer, self._held_amp)  # a fused optimizer's own True comes back
         process.release_clip_grad_norm(self)
 
     def clip_grad_norm_for(self, params: list[torch.Tensor], *args: Any) -> None:
