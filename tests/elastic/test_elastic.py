@@ -355,6 +355,22 @@ def test_bucket_cap_auto_a_replica_that_joins_takes_the_members_progress(tmp_pat
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+def test_bucket_cap_auto_a_replica_that_joins_after_the_choice_gets_the_members_record(tmp_path):
+    """Replica 2 dies after the members chose (the timings are gathered in window 9) and rejoins: every replica, the
+    joiner and the member that received the state beside it, reports the members' choice with its measurements (all
+    but the sender held a bare "resumed" record before)."""
+    windows = 24
+    proc = launch(tmp_path, "--victim", "2", "--window", "14", "--point", "during_reductions", "--until-full", "3", *AUTO,
+                  max_restarts=1, windows=windows)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = survivors(tmp_path)
+    first = agreeing(results, [0, 1, 2], proc.stderr)
+    assert first["bucket_choice"]["rule"] not in ("resumed", "single layout") and len(first["bucket_choice"]["measured_ms"]) == 2
+    assert all(r["bucket_choice"] == first["bucket_choice"] and r["buckets"] == first["buckets"] for r in results.values())
+    for got, ref in zip(first["params"], reference(first["events"], 3, windows=first["windows"], width=512)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("point,victim,window", [("during_reductions", 2, 1), ("optimizer_step", 1, 2),
                                                   ("forward", 2, 1), ("local_backward", 2, 1)])
 def test_drills_with_a_comm_hook_on_the_default_group(tmp_path, point, victim, window):

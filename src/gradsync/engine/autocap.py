@@ -246,13 +246,14 @@ class AutoCaps:
 
     def state(self) -> dict:
         """Where the members are: a replica that joins takes part from here (its missing rounds count 0)."""
-        return {"choice": None if self.choice is None else (self.choice.bucket_cap_mb, self.choice.first_bucket_cap_mb),
+        return {"choice": None if self.choice is None else self.choice.as_dict(),
                 "planned": self.layouts is not None, "schedule": list(self.schedule), "current": self.current,
                 "rounds": {c: len(t) for c, t in self.times.items()}, "due": self.due}
 
     def load_state(self, state: dict) -> None:
-        if state["choice"] is not None:
-            self.resume(*state["choice"])
+        if state["choice"] is not None:  # the members' whole record: every replica reports the same choice
+            self.resume(state["choice"]["bucket_cap_mb"], state["choice"]["first_bucket_cap_mb"])
+            self.choice = BucketChoice(**state["choice"])
             return
         if state["planned"]:
             order = self.reducer.layout.order()
