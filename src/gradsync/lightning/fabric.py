@@ -55,16 +55,17 @@ class GradsyncFabricStrategy(DDPStrategy):
                             norm_type: float = 2.0, error_if_nonfinite: bool = True) -> torch.Tensor:
         if not self._sharded:
             return super().clip_gradients_norm(module, optimizer, max_norm, norm_type, error_if_nonfinite)
-        self.precision.unscale_gradients(optimizer)
-        model = module if isinstance(module, ShardedDataParallel) else self._wrapped
-        return model.clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)  # global norm over the shards
+        return self._unscaled_shards(module, optimizer).clip_grad_norm_(max_norm, norm_type, error_if_nonfinite)
 
     def clip_gradients_value(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_val: float) -> None:
         if not self._sharded:
             return super().clip_gradients_value(module, optimizer, clip_val)
+        self._unscaled_shards(module, optimizer).clip_grad_value_(clip_val)  # each rank clamps its own shards
+
+    def _unscaled_shards(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> ShardedDataParallel:
+        """The sharded model to clip (its shards, not the optimizer's pieces), its gradient unscaled first."""
         self.precision.unscale_gradients(optimizer)
-        model = module if isinstance(module, ShardedDataParallel) else self._wrapped
-        model.clip_grad_value_(clip_val)  # element by element: each rank clamps its own shards
+        return module if isinstance(module, ShardedDataParallel) else self._wrapped
 
     def get_module_state_dict(self, module: torch.nn.Module) -> dict[str, Any]:
         if isinstance(module, DistributedDataParallel):
