@@ -1,6 +1,7 @@
 """Unusual models against torch 2.13's DDP (issue 14 item 6): tied weights, sparse gradients, complex
 and 0-dim parameters, a parameter that never gets a gradient, integer and bool buffers, meta tensors.
 Each row either trains exactly like torch's DDP in the same process group or is refused at construction."""
+import contextlib
 import copy
 import functools
 
@@ -238,3 +239,50 @@ def functional_sparse(rank, world_size):
 def test_sparse_gradient_without_an_embedding_module_is_refused_at_the_backward():
     for kind, message, _ in faults(functional_sparse):
         assert kind == "RuntimeError" and "'weight' has a torch.sparse_coo gradient" in message, message
+
+
+class Strided(nn.Module):
+    """A channels_last convolution and a transposed parameter: gradients that are not row-major."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = nn.Conv2d(3, 4, 3)
+        self.t = nn.Parameter(torch.randn(VOCAB, 4 * 4 * 4).t())  # (64, 10), strides (1, 64)
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x):
+        return self.conv(x).flatten(1) @ self.t
+
+
+def strided(rank, world_size, view):
+    """Two windows of a no_sync micro-step and a synced one; each backward's gradients and their strides."""
+    model = Strided()
+    out = []
+    for wrapped in (TorchDDP(copy.deepcopy(model), gradient_as_bucket_view=view),
+                    gradsync.DDP(model, timeout=TIMEOUT, gradient_as_bucket_view=view)):
+        opt, history = torch.optim.SGD(wrapped.parameters(), lr=0.1), []
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(2):
+            opt.zero_grad(set_to_none=True)
+            for sync in (False, True):
+                x = torch.randn(2, 3, 6, 6, generator=g).to(memory_format=torch.channels_last)
+                with contextlib.nullcontext() if sync else wrapped.no_sync():
+                    F.cross_entropy(wrapped(x), torch.tensor([1, 2])).backward()
+                history.append({n: (p.grad.clone(), p.grad.stride()) for n, p in wrapped.module.named_parameters()})
+            opt.step()
+        out.append((history, params(wrapped.module), {n: p.stride() for n, p in wrapped.module.named_parameters()}))
+    return out
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_channels_last_and_transposed_parameters_keep_their_gradient_strides(view):
+    # torch's DDP gives a bucket view the parameter's strides when the parameter is dense; autograd then
+    # accumulates into .grad in its own layout, and an optimizer reads gradient and parameter alike
+    for theirs, ours in run_ranks(strided, 2, view, timeout=60):
+        for a, b in zip(theirs[0], ours[0]):
+            assert {n: s for n, (_, s) in a.items()} == {n: s for n, (_, s) in b.items()}
+            assert_close_dicts({n: g for n, (g, _) in a.items()}, {n: g for n, (g, _) in b.items()})
+        assert_close_dicts(theirs[1], ours[1])
+        assert theirs[2] == ours[2] and ours[2]["t"] == (1, 64) and ours[2]["conv.weight"] == (27, 1, 9, 3)
+        assert all(s == ours[2][n] for n, (_, s) in ours[0][-1].items())

@@ -29,7 +29,26 @@ class Bucket:
 
     def add_wire(self) -> None:
         self.wire = wire = torch.empty_like(self.buffer)
-        self.wire_views = [wire[v.storage_offset():v.storage_offset() + v.numel()].view(v.shape) for v in self.views]
+        self.wire_views = [slot(wire, v.storage_offset(), v) for v in self.views]
+
+
+def slot(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """``like``'s place in flat ``buffer`` from ``offset``, in ``like``'s layout where it is dense (a channels_last
+    weight, a transposed parameter), as torch's DDP lays out a bucket view: autograd then accumulates into a
+    ``.grad`` of the parameter's own strides, and the optimizer walks gradient and parameter alike."""
+    if like.numel() and dense(like):
+        return buffer.as_strided(like.shape, like.stride(), buffer.storage_offset() + offset)
+    return buffer[offset:offset + like.numel()].view(like.shape)
+
+
+def dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill a block of memory without gaps or overlaps, in some order of its dimensions."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 # A gradient of fewer elements is copied into its slot and divided with the bucket's other small slots
@@ -39,4 +58,4 @@ class Bucket:
 SMALL_SLOT = 1 << 14
 
 
-__all__ = ["Bucket", "SMALL_SLOT"]
+__all__ = ["Bucket", "SMALL_SLOT", "dense", "slot"]

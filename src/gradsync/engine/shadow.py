@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import process
+from .bucket import slot
 from .control import Verdict, empty_control
 from .errors import SyncError
 from .reducer import Reducer
@@ -53,7 +54,7 @@ def zero_buckets(reducer: Reducer) -> list:
     launcher, buckets = reducer.launcher, reducer.buckets
     for b in buckets:
         zeros = torch.zeros_like(b.buffer)
-        views = [part.view_as(v) for part, v in zip(zeros.split([v.numel() for v in b.views]), b.views)]
+        views = [slot(zeros, v.storage_offset(), v) for v in b.views]
         works.append(launcher.issue(b.index, zeros, views, b.members, works[-1] if works else None,
                                     b.index == len(buckets) - 1))
     launcher.before_control(works)

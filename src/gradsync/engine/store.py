@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .bucket import SMALL_SLOT, Bucket
+from .bucket import SMALL_SLOT, Bucket, slot
 from .checks import check_grad, fit, is_view_of, warn_create_graph
 from .config import Caps
 from .layout import plan_buckets
@@ -62,7 +62,7 @@ class BucketStore:
             views, offset = [], 0
             for i in members:
                 p = self.params[i]
-                views.append(buffer[offset:offset + p.numel()].view(p.shape))
+                views.append(slot(buffer, offset, p))
                 offset += p.numel()
                 self.views[i] = views[-1]
                 self.bucket_of[i] = b
