@@ -224,20 +224,29 @@ def test_sparse_embedding_is_refused_at_construction():
 
 
 class FunctionalSparse(nn.Module):
-    def __init__(self):
+    def __init__(self, width=VOCAB):
         super().__init__()
-        self.weight = nn.Parameter(torch.randn(VOCAB, VOCAB))
+        self.weight = nn.Parameter(torch.randn(VOCAB, width))
 
     def forward(self, x):
-        return F.embedding(x, self.weight, sparse=True)
+        return F.embedding(x, self.weight, sparse=True)[:, :VOCAB]
 
 
-def functional_sparse(rank, world_size):
-    return outcome(lambda: train(gradsync.DDP(FunctionalSparse(), timeout=TIMEOUT), rank, world_size))
+def functional_sparse(rank, world_size, view, window):
+    # a window's no_sync micro-step first, with a weight too large to be lent its view (engine/quiet.py)
+    model = gradsync.DDP(FunctionalSparse(1024 if window else VOCAB), timeout=TIMEOUT, gradient_as_bucket_view=view)
+
+    def run():
+        if window:
+            with model.no_sync():
+                model(torch.tensor([1, 2])).sum().backward()
+        train(model, rank, world_size)
+    return outcome(run)
 
 
-def test_sparse_gradient_without_an_embedding_module_is_refused_at_the_backward():
-    for kind, message, _ in faults(functional_sparse):
+@pytest.mark.parametrize("view,window", [(False, False), (True, False), (True, True)])
+def test_sparse_gradient_without_an_embedding_module_is_refused_at_the_backward(view, window):
+    for kind, message, _ in faults(functional_sparse, view, window):
         assert kind == "RuntimeError" and "'weight' has a torch.sparse_coo gradient" in message, message
 
 

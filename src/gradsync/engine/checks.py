@@ -12,7 +12,7 @@ _NEEDS_GRAD, _LAYOUT, _DTYPE, _SHAPE = map(attrgetter, ("requires_grad", "layout
 
 
 def is_view_of(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
-    return grad is not None and grad.data_ptr() == view.data_ptr()
+    return grad is not None and grad.layout is torch.strided and grad.data_ptr() == view.data_ptr()
 
 
 def warn_create_graph() -> None:

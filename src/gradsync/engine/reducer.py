@@ -319,7 +319,7 @@ def _hook(reducer: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
         elif not it.adopt:  # a local backward without views needs nothing per gradient
             return None
         bucket = (store := me.store).buckets[store.bucket_of[i]]
-        if not it.syncing and grad is not None and grad.data_ptr() != store.view_ptrs[i]:
+        if not it.syncing and grad is not None and (grad.layout is not torch.strided or grad.data_ptr() != store.view_ptrs[i]):
             bucket.fresh.append(i)  # autograd's fresh tensor, not its view: the complete bucket adopts it
         bucket.pending -= 1  # complete: a synced backward reduces it, a local one takes its .grad into its views
         if bucket.pending == 0:

@@ -209,10 +209,10 @@ class BucketStore:
         the hooks found fresh, or (default) every member of those a local backward left incomplete."""
         params, ptrs = self.params, self.view_ptrs
         for bucket in [b for b in self.buckets if b.pending] if buckets is None else buckets:
-            # a complete bucket's hooks listed its fresh gradients (after the window's first micro-step, none);
-            # else _is_slot, inline: a quiet backward's end reads every member, and a call each was most of it
+            # the hooks listed a complete bucket's fresh gradients; else _is_slot inline (a call each was most of it)
             fresh = bucket.fresh if buckets is not None else [
-                i for i in bucket.members if (g := params[i].grad) is not None and g.data_ptr() != ptrs[i]]
+                i for i in bucket.members if (g := params[i].grad) is not None
+                and (g.layout is not torch.strided or g.data_ptr() != ptrs[i])]
             bucket.fresh = []
             grads, views = [params[i].grad for i in fresh], [self.views[i] for i in fresh]
             if not fit(grads, views):
@@ -225,7 +225,7 @@ class BucketStore:
 
     def _is_slot(self, i: int, grad: torch.Tensor) -> bool:
         """``is_view_of(grad, self.views[i])``, from the view's data pointer read once at the build."""
-        return grad.data_ptr() == self.view_ptrs[i]
+        return grad.layout is torch.strided and grad.data_ptr() == self.view_ptrs[i]  # sparse: no data pointer
 
     @torch.no_grad()  # a create_graph backward runs this with grad mode on: record nothing
     def write_back(self, bucket: Bucket, result: torch.Tensor | None, counts: list[int]) -> None:
