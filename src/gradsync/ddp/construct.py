@@ -116,6 +116,8 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, w
     dtypes (BatchNorm: float and int64) take one broadcast, one round trip per forward, instead
     of one per dtype. A tensor alone in its chunk is sent in place, unless ``in_place=False``
     (an elastic model: a member frozen in a group the others left can complete the broadcast late).
+    Written through ``.data``, as torch's C++ broadcast writes: no version bump, so a backward through an
+    earlier forward that saved a buffer (BatchNorm's running statistics) still runs.
     """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for t in tensors:
@@ -124,19 +126,18 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, w
     for same in by_device.values():
         for chunk in _chunks(same, chunk_bytes):
             if in_place and len(chunk) == 1 and chunk[0].is_contiguous():
-                wait(dist.broadcast(chunk[0].detach(), src=src, group=group, async_op=True))
+                wait(dist.broadcast(chunk[0].data, src=src, group=group, async_op=True))
                 continue
-            flat = torch.cat([_bytes(t.detach().reshape(-1)) for t in chunk])
+            flat = torch.cat([_bytes(t.data.reshape(-1)) for t in chunk])
             wait(dist.broadcast(flat, src=src, group=group, async_op=True))
             offset = 0
             for t in chunk:
                 part = flat[offset:offset + t.numel() * t.element_size()]
                 offset += part.numel()
                 if t.is_contiguous():  # write the bytes straight into the tensor's memory
-                    _bytes(t.detach().reshape(-1)).copy_(part)
+                    _bytes(t.data.reshape(-1)).copy_(part)
                 else:
-                    with torch.no_grad():
-                        t.copy_(part.clone().view(t.dtype).view(t.shape))
+                    t.data.copy_(part.clone().view(t.dtype).view(t.shape))
 
 
 def _bytes(flat: torch.Tensor) -> torch.Tensor:
