@@ -314,6 +314,25 @@ def create_graph(wrap, rank, world_size):
     return {n: p.grad.detach() for n, p in model.module.named_parameters()}
 
 
+def create_graph_penalty(wrap, rank, world_size, view=False, hook=False):
+    """A penalty on the averaged .grad, differentiated: .grad's graph is this rank's gradient / world size."""
+    model = wrap(Square(), gradient_as_bucket_view=view)
+    if hook:  # the hook's result is the average; the graph stays the local gradient, undivided, as in torch
+        model.register_comm_hook(None, torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook)
+    model(torch.tensor(float(rank + 1))).backward(create_graph=True)
+    p = model.module.p
+    (penalty,) = torch.autograd.grad(p.grad.square().sum() + p.sum(), [p])
+    return {"grad": p.grad.detach(), "penalty": penalty}
+
+
+def create_graph_penalty_views(wrap, rank, world_size):
+    return create_graph_penalty(wrap, rank, world_size, view=True)
+
+
+def create_graph_penalty_hook(wrap, rank, world_size):
+    return create_graph_penalty(wrap, rank, world_size, hook=True)
+
+
 def undefined_grads(wrap, rank, world_size):
     model = wrap(mlp(seed=0), find_unused_parameters=True)
     torch._C._functions.UndefinedGrad()(model(torch.randn(2, 8)).sum()).backward()
@@ -346,7 +365,8 @@ def bypassed_forward(wrap, rank, world_size):
     return local, grads(model.module)
 
 
-@pytest.mark.parametrize("scenario", [create_graph, undefined_grads, forwards_then_backwards, bypassed_forward],
+@pytest.mark.parametrize("scenario", [create_graph, create_graph_penalty, create_graph_penalty_views,
+                                      create_graph_penalty_hook, undefined_grads, forwards_then_backwards, bypassed_forward],
                          ids=lambda f: f.__name__)
 def test_matches_torch_ddp(scenario):
     for result in run_ranks(with_both, 2, scenario):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from typing import Any
 from itertools import repeat
 from operator import attrgetter, is_
 
@@ -20,6 +21,37 @@ def warn_create_graph() -> None:
         "gradsync: backward(create_graph=True) with DistributedDataParallel: the gradients are "
         "averaged across ranks, but the higher-order graph is not (as in torch's DDP): gradients of "
         "the gradients stay rank-local.", stacklevel=4)
+
+
+class Graphs(dict):
+    """``backward(create_graph=True)``: each parameter's local gradient, its graph kept while its value is reduced.
+    Written back, ``.grad`` is the average and its graph the local gradient / world size, as torch's DDP leaves it,
+    so a penalty on ``.grad`` differentiates as it does there."""
+
+    def keep(self, i: int, grad: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
+        """Hold ``grad``'s graph until the write-back (``param``: None where it cannot be rejoined); its value."""
+        warn_create_graph()
+        if param is not None:
+            self[i], param.grad = grad, None  # not written into: its graph may have saved it
+        return grad.detach()
+
+    def rejoin(self, members: Sequence[int], params: Sequence[torch.Tensor], world_size: int) -> None:
+        with torch.enable_grad():
+            for i in [i for i in members if i in self]:
+                params[i].grad = _Averaged.apply(self.pop(i), params[i].grad, world_size)
+
+
+class _Averaged(torch.autograd.Function):
+    """Forward the reduced value; backward into the local gradient's graph, divided by the world size."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, average: torch.Tensor, world_size: int) -> torch.Tensor:
+        ctx.world_size = world_size
+        return average.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad / ctx.world_size, None, None
 
 
 def check_grad(grad: torch.Tensor, view: torch.Tensor, name: str) -> None:
@@ -57,4 +89,4 @@ def check_finite(results: Sequence[torch.Tensor], members: Sequence[Sequence[int
         "lower the learning rate / use loss scaling.")
 
 
-__all__ = ["check_finite", "check_grad", "fit", "is_view_of", "warn_create_graph"]
+__all__ = ["Graphs", "check_finite", "check_grad", "fit", "is_view_of", "warn_create_graph"]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from .bucket import SMALL_SLOT, Bucket, slot
-from .checks import check_grad, fit, is_view_of, warn_create_graph
+from .checks import Graphs, check_grad, fit, is_view_of
 from .config import Caps
 from .layout import plan_buckets
 from .main_grad import MainGrads
@@ -47,7 +47,7 @@ class BucketStore:
         self.view_ptrs: list[int] = []  # each view's data_ptr(): is ``.grad`` the view (is_view_of), read once
         self.bucket_of = [0] * len(params)
         self._build(plan_buckets(params, *caps))
-        self.main = None
+        self.main, self.graphs = None, Graphs()
         if reduce_dtype is not None:
             self.main = MainGrads(params, names, self.slot, world_size=world_size, grad_is_slot=gradient_as_bucket_view)
             self.main.link(self.views, None)
@@ -88,8 +88,7 @@ class BucketStore:
             for b in self.buckets:
                 b.add_wire()
 
-    def slot(self, i: int) -> torch.Tensor:
-        """Parameter ``i``'s place in its bucket."""
+    def slot(self, i: int) -> torch.Tensor:  # parameter ``i``'s place in its bucket
         return self.views[i]
 
     def plan(self) -> list[list[int]]:
@@ -116,9 +115,8 @@ class BucketStore:
         (``SMALL_SLOT``) and slots that already are ``.grad`` are divided together once the bucket's
         last member is in: one division per bucket, the same values."""
         grad, view, divide = self.params[i].grad, self.views[i], divide and not self.apart  # apart: on staging
-        if grad is not None and grad.requires_grad:  # backward(create_graph=True)
-            warn_create_graph()
-            grad = grad.detach()
+        if grad is not None and grad.requires_grad:  # backward(create_graph=True): its graph rejoins at write_back
+            grad = self.graphs.keep(i, grad, self.params[i] if self.main is None else None)
         if self.main is not None:
             self.main.copy_in(i, divide)
             return
@@ -140,8 +138,7 @@ class BucketStore:
             self._divide_when_complete(self.buckets[self.bucket_of[i]], view, now, grad is None)
 
     def copy_in_bucket(self, bucket: Bucket, divide: bool) -> None:
-        """``copy_in`` for every member of a complete bucket, the small gradients in one call (a call per
-        small tensor was most of the cost on models of many small parameters)."""
+        """``copy_in`` for every member of a complete bucket, the small gradients in one call (a call each: slow)."""
         grads, divide = [self.params[i].grad for i in bucket.members], divide and not self.apart
         for grad, view in zip(grads, bucket.views):  # anything unusual: one member at a time, as copy_in
             if (grad is None or grad.requires_grad or grad.layout is not torch.strided or grad.dtype is not view.dtype
@@ -256,6 +253,8 @@ class BucketStore:
                         views.append(view)
             if grads:
                 foreach_copy_(grads, views)
+        if self.graphs:  # backward(create_graph=True)
+            self.graphs.rejoin(bucket.members, params, self.world_size)
 
     def drop_local(self) -> None:
         """Drop every local gradient (``.grad`` and, with ``reduce_dtype``, the window's slots)."""
@@ -279,6 +278,7 @@ class BucketStore:
     # ---------------------------------------------------------------- the reducer's phases
     def begin_sync(self) -> None:
         """A synced backward starts: every bucket waits for all its members again."""
+        self.graphs.clear()  # a backward that raised left its own
         for b in self.buckets:
             b.pending, b.handle, b.copied = len(b.members), None, 0
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..engine.config import Caps
-from ..engine.checks import check_grad
+from ..engine.checks import Graphs, check_grad
 from ..engine.layout import plan_buckets
 from ..engine.main_grad import MainGrads
 from ..engine.store import Bucket, BucketStore
@@ -96,7 +96,7 @@ class ShardedBucketStore:
         self.lay_out(plan_buckets(params, *caps))
         # how a bucket is reduce-scattered on this device (comm.py): the launcher starts it, the fold adds it up
         self.exchange = exchanges(self.buckets[0].flat_param.device)
-        self.main = None
+        self.main, self.graphs = None, Graphs()  # graphs: BucketStore.begin_sync's; a shard's stays empty
         if reduce_dtype is not None:
             self.main = MainGrads(params, names, self.slot, world_size=world_size, grad_is_slot=False)
 
