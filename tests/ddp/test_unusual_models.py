@@ -250,6 +250,32 @@ def test_sparse_gradient_without_an_embedding_module_is_refused_at_the_backward(
         assert kind == "RuntimeError" and "'weight' has a torch.sparse_coo gradient" in message, message
 
 
+def lent_view_takes_a_sparse_gradient(rank, world_size):
+    """Views and a window that starts under no_sync: a small parameter whose gradient comes after the window's first
+    hook holds its dense view, autograd adds the sparse gradient into it: it trains as its dense twin (reliability.md)."""
+    out = []
+    for sparse in (True, False):
+        torch.manual_seed(0)
+        model = FunctionalSparse()
+        model.head = nn.Linear(VOCAB, VOCAB)  # its gradient is ready first: the window's first hook lends the views
+        model.forward = functools.partial(lambda m, x: m.head(F.embedding(x, m.weight, sparse=sparse)), model)
+        wrapped = gradsync.DDP(model, timeout=TIMEOUT, gradient_as_bucket_view=True)
+        for x, y in tokens(2, world_size):
+            with wrapped.no_sync():
+                F.cross_entropy(wrapped(shard(y, rank, world_size)), shard(x, rank, world_size)).backward()
+            F.cross_entropy(wrapped(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+            out.append(model.weight.grad.clone())
+            model.weight.grad = None
+    return out
+
+
+def test_a_lent_view_takes_a_sparse_gradient_like_a_dense_one():
+    for result in run_ranks(lent_view_takes_a_sparse_gradient, 2, timeout=60):
+        for sparse, dense in zip(result[:2], result[2:]):
+            assert sparse.layout == torch.strided
+            torch.testing.assert_close(sparse, dense)  # the sparse sum adds repeated rows in another order
+
+
 class Strided(nn.Module):
     """A channels_last convolution and a transposed parameter: gradients that are not row-major."""
 

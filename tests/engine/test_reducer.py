@@ -230,7 +230,9 @@ def changed_after_wrapping(rank, world_size, how, trained):
         module[0].bias.requires_grad_(False)
         module[0].bias.requires_grad_(True)
         module[-1].weight = nn.Parameter(module[-1].weight.detach().clone())
-    with pytest.raises(RuntimeError, match="parameters changed after it was wrapped"):
+    expected = ("parameter '0.weight' was frozen .* wrap the module again after the change" if how == "frozen"
+                else "parameters changed after it was wrapped")
+    with pytest.raises(RuntimeError, match=expected):
         model(torch.randn(2, 8))
 
 
@@ -238,6 +240,28 @@ def changed_after_wrapping(rank, world_size, how, trained):
                                          ("added", True), ("frozen", True), ("replaced", True), ("removed", True)])
 def test_parameters_changed_after_wrapping_raise(how, trained):
     run_ranks(changed_after_wrapping, 2, how, trained)
+
+
+def freeze_then_wrap_again(rank, world_size):
+    """The advice of the frozen-layer error, followed: freeze the first layer after two steps, wrap again."""
+    def train(module, wrap, part):
+        opt, model = torch.optim.SGD(module.parameters(), lr=0.1), wrap(module)
+        for k, (x, y) in enumerate(batches(4, world_size)):
+            if k == 2:
+                module[0].weight.requires_grad_(False)
+                model = wrap(module)
+            opt.zero_grad()
+            F.mse_loss(model(part(x)), part(y)).backward()
+            opt.step()
+        return params(module)
+    return (train(mlp(seed=0), gradsync.DDP, lambda t: shard(t, rank, world_size)),
+            train(mlp(seed=0), lambda m: m, lambda t: t))
+
+
+def test_a_layer_frozen_by_wrapping_again_trains_like_one_process():
+    for ours, one_process in run_ranks(freeze_then_wrap_again, 2):
+        assert_close_dicts(ours, one_process)
+        assert not torch.equal(ours["0.bias"], mlp(seed=0)[0].bias.detach())  # the layer's bias trained on
 
 
 def test_the_module_walk_is_kept_until_a_module_changes():
