@@ -5,13 +5,15 @@ recomputes all ranks' micro-steps on a local copy), so only accumulation and red
 Tolerance: relative L2 error below 1e-6 (fp32 sums of a few dozen bf16 values are nearly exact),
 where the bf16 default path is off by more than 1e-4.
 """
+import contextlib
+
 import pytest
 import torch
 
 import gradsync
 from gradsync.tools.launch import run_ranks
 from bf16 import exact_window, loss_on, rel_err
-from helpers import batches, mlp
+from helpers import batches, faults, mlp
 
 CAPS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)  # several buckets on the small MLP
 TOL = 1e-6
@@ -155,3 +157,16 @@ def construct(rank, world_size, dtype, reduce_dtype):
 def test_reduce_dtype_is_validated(dtype, reduce_dtype, error, match):
     with pytest.raises(Exception, match=f"{error.__name__}: gradsync: .*{match}"):
         run_ranks(construct, 1, dtype, reduce_dtype)
+
+
+def create_graph(rank, world_size, synced):
+    model = gradsync.DDP(mlp(seed=0), reduce_dtype=torch.float64)
+    with model.no_sync() if not synced else contextlib.nullcontext():
+        model(torch.randn(2, 8)).square().sum().backward(create_graph=True)
+
+
+@pytest.mark.parametrize("synced", [False, True])
+def test_create_graph_is_refused_where_grad_cannot_carry_its_graph(synced):
+    # the average would be right, but .grad would carry no graph: a penalty on it would differentiate to nothing
+    for result in faults(create_graph, synced):
+        assert "backward(create_graph=True) with reduce_dtype=torch.float64" in str(result), result

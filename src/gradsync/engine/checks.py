@@ -28,11 +28,10 @@ class Graphs(dict):
     Written back, ``.grad`` is the average and its graph the local gradient / world size, as torch's DDP leaves it,
     so a penalty on ``.grad`` differentiates as it does there."""
 
-    def keep(self, i: int, grad: torch.Tensor, param: torch.Tensor | None) -> torch.Tensor:
-        """Hold ``grad``'s graph until the write-back (``param``: None where it cannot be rejoined); its value."""
+    def keep(self, i: int, grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+        """Hold ``grad``'s graph until the write-back; return its value."""
         warn_create_graph()
-        if param is not None:
-            self[i], param.grad = grad, None  # not written into: its graph may have saved it
+        self[i], param.grad = grad, None  # not written into: its graph may have saved it
         return grad.detach()
 
     def rejoin(self, members: Sequence[int], params: Sequence[torch.Tensor], world_size: int) -> None:

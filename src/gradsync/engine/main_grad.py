@@ -58,6 +58,11 @@ class MainGrads:
     @torch.no_grad()
     def add(self, i: int, grad: torch.Tensor) -> None:
         """Add a gradient of parameter ``i``, as autograd delivers it, into its slot."""
+        if grad.requires_grad:
+            raise RuntimeError(
+                f"gradsync: backward(create_graph=True) with reduce_dtype={self.slot(i).dtype}: each gradient is "
+                "summed into its reduce_dtype slot (param.main_grad) outside autograd, so .grad could not carry "
+                "the graph that a penalty on it differentiates through. Use reduce_dtype=None for a double backward.")
         if self.fresh[i]:
             self._start_slot(i)
         self.slot(i).add_(grad.detach())

@@ -116,7 +116,7 @@ class BucketStore:
         last member is in: one division per bucket, the same values."""
         grad, view, divide = self.params[i].grad, self.views[i], divide and not self.apart  # apart: on staging
         if grad is not None and grad.requires_grad:  # backward(create_graph=True): its graph rejoins at write_back
-            grad = self.graphs.keep(i, grad, self.params[i] if self.main is None else None)
+            grad = self.graphs.keep(i, grad, self.params[i])  # (reduce_dtype refused it: main_grad.py)
         if self.main is not None:
             self.main.copy_in(i, divide)
             return
