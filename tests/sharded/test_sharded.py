@@ -139,6 +139,52 @@ def test_checkpoint_moves_between_world_sizes(tmp_path):
             assert_close_dicts(got, final, atol=1e-5)
 
 
+class Pair(nn.Module):
+    """Two elements and a 0-dim one: at two ranks every piece of ``w`` holds one element."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.w, self.s = nn.Parameter(torch.randn(2)), nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        return x * self.w * self.s
+
+
+def scalar_state(rank, world_size, cls, path, mode):
+    """NAdam's mu_product and ASGD's eta and mu are one value per parameter, whatever its pieces hold."""
+    ours, theirs = gradsync.ShardedDataParallel(Pair()), nn.parallel.DistributedDataParallel(Pair())
+    opt_a, opt_b = gradsync.ShardedOptimizer(ours, cls, lr=0.01), cls(theirs.parameters(), lr=0.01)
+    steps = range(2) if mode == "save" else range(2, 4)
+    if mode == "load":
+        ckpt = torch.load(path, weights_only=True)
+        ours.load_state_dict(ckpt["model"])
+        opt_a.load_state_dict(ckpt["ours"])
+        theirs.load_state_dict(ckpt["model"])
+        opt_b.load_state_dict(ckpt["ours"])  # torch's optimizer takes gradsync's checkpoint
+    for step in steps:
+        x = torch.randn(4, 2, generator=torch.Generator().manual_seed(10 * step + rank))
+        for m, opt in ((ours, opt_a), (theirs, opt_b)):
+            m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    state = opt_a.state_dict()  # a collective: every rank calls it once
+    if mode == "save" and rank == 0:
+        torch.save({"model": ours.state_dict(), "ours": state}, path)
+    return state, opt_b.state_dict(), params(ours.module), params(theirs.module)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.NAdam, torch.optim.ASGD], ids=lambda c: c.__name__)
+def test_scalar_optimizer_state_keeps_torchs_shape_and_moves_between_world_sizes(cls, tmp_path):
+    path = os.fspath(tmp_path / "ckpt.pt")
+    for world_size, mode in ((2, "save"), (1, "load"), (3, "load")):
+        for ours, theirs, ours_params, theirs_params in run_ranks(scalar_state, world_size, cls, path, mode):
+            for j in theirs["state"]:
+                assert {k: getattr(v, "shape", None) for k, v in ours["state"][j].items()} == \
+                    {k: getattr(v, "shape", None) for k, v in theirs["state"][j].items()}, (world_size, j)
+            assert_close_dicts(ours_params, theirs_params, atol=1e-6)
+
+
 def clipping(rank, world_size, how):
     ours = gradsync.ShardedDataParallel(model(seed=0), **CAPS)
     theirs = nn.parallel.DistributedDataParallel(model(seed=0))

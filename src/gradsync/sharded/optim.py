@@ -290,11 +290,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 st = state_dict["state"].get(self._state_index[piece.param])
                 if st is None:
                     continue
-                numel = self.reducer.params[piece.param].numel()
+                shape = self.reducer.params[piece.param].shape
                 state[piece.index] = {  # a tensor each: AdamW counts its step in place, and a parameter may
                     # have a piece in this rank's shard and one in the shard it mirrors
                     key: v.reshape(-1)[piece.offset:piece.offset + piece.tensor.numel()].clone()
-                    if _per_element(key, v, numel) else v.clone() if isinstance(v, torch.Tensor) else v
+                    if _per_element(key, v, shape) else v.clone() if isinstance(v, torch.Tensor) else v
                     for key, v in st.items()}
             inner_groups, k = [], 0
             for g, current in zip(groups, optimizer.param_groups):
@@ -305,9 +305,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._link()
 
 
-def _per_element(key: str, value: Any, numel: int) -> bool:
-    # "step" is a scalar even when its parameter has one element (torch special-cases it too)
-    return key != "step" and isinstance(value, torch.Tensor) and value.numel() == numel
+def _per_element(key: str, value: Any, shape: tuple[int, ...]) -> bool:
+    # by shape, not size: a 1-element piece's scalar state (NAdam's mu_product, ASGD's eta) is 0-dim, its
+    # per-element state 1-D; "step" is a scalar even for a 0-dim parameter (torch special-cases it too)
+    return key != "step" and isinstance(value, torch.Tensor) and value.shape == shape
 
 
 def _join(pieces: list, shape: torch.Size) -> dict[str, Any]:
@@ -319,7 +320,7 @@ def _join(pieces: list, shape: torch.Size) -> dict[str, Any]:
     out = {}
     for key, first in pieces[0][2].items():
         values = [st[key] for _, _, st in pieces]
-        if all(_per_element(key, v, n) for v, (_, n, _) in zip(values, pieces)):
+        if all(_per_element(key, v, (n,)) for v, (_, n, _) in zip(values, pieces)):
             out[key] = torch.cat([v.reshape(-1) for v in values]).view(shape)
         else:
             out[key] = first
