@@ -185,6 +185,24 @@ def test_scalar_optimizer_state_keeps_torchs_shape_and_moves_between_world_sizes
             assert_close_dicts(ours_params, theirs_params, atol=1e-6)
 
 
+def zeroed_by_the_model(rank, world_size, set_to_none):
+    ours = gradsync.ShardedDataParallel(model(seed=0), **CAPS)
+    theirs = nn.parallel.DistributedDataParallel(model(seed=0))
+    opt_a, opt_b = optimizers("sgd", ours, theirs)
+    for x, y in batches(3, world_size, per_rank=4):
+        for m, opt in ((ours, opt_a), (theirs, opt_b)):
+            F.mse_loss(m(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+            opt.step()
+            m.zero_grad(set_to_none=set_to_none)  # the model's, not the optimizer's (the Hugging Face Trainer's habit)
+    return params(ours.module), params(theirs.module)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_the_models_zero_grad_clears_the_shards(set_to_none):
+    for ours, theirs in run_ranks(zeroed_by_the_model, 2, set_to_none):
+        assert_close_dicts(ours, theirs)
+
+
 def clipping(rank, world_size, how):
     ours = gradsync.ShardedDataParallel(model(seed=0), **CAPS)
     theirs = nn.parallel.DistributedDataParallel(model(seed=0))

@@ -123,6 +123,12 @@ class ShardedDataParallel(DistributedDataParallel):
             bucket.grad_shard.copy_(shard)
             bucket.shard_zero = False
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradient shards too, as ``ShardedOptimizer.zero_grad`` does: ``nn.Module``'s would clear only
+        ``.grad`` (None after a synced backward), and the next one would add onto the last step's gradient."""
+        super().zero_grad(set_to_none)
+        self.reducer.store.zero_grad(set_to_none)
+
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the sharded gradient by its global norm (across all ranks); return that norm.
