@@ -170,3 +170,24 @@ def test_create_graph_is_refused_where_grad_cannot_carry_its_graph(synced):
     # the average would be right, but .grad would carry no graph: a penalty on it would differentiate to nothing
     for result in faults(create_graph, synced):
         assert "backward(create_graph=True) with reduce_dtype=torch.float64" in str(result), result
+
+
+def dropped_micro_step(rank, world_size):
+    """A window's no_sync micro-step dropped by the model's zero_grad(), then a synced backward."""
+    out = []
+    for wrap, kwargs in ((torch.nn.parallel.DistributedDataParallel, {}), (gradsync.DDP, {"reduce_dtype": torch.float64})):
+        model = wrap(mlp(seed=0), **kwargs)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        with model.no_sync():
+            model(x).square().sum().backward()
+        model.zero_grad()
+        model(x[:2]).sum().backward()
+        out.append({n: p.grad.clone() for n, p in model.module.named_parameters()})
+    return out
+
+
+def test_the_models_zero_grad_drops_the_windows_slots():
+    # the slots, not .grad (None inside a window), hold the micro-steps: nn.Module.zero_grad alone left them there
+    for theirs, ours in run_ranks(dropped_micro_step, 2):
+        for name in theirs:
+            torch.testing.assert_close(ours[name], theirs[name], msg=name)

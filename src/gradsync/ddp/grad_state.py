@@ -1,4 +1,4 @@
-"""Checkpoints of what a reducer holds mid-window: this rank's gradients and the bucket layout.
+"""Checkpoints of what a reducer holds mid-window (this rank's gradients and the bucket layout), and clearing it.
 
 Mid-window, the accumulated micro-steps are training state; the layout (re-planned after the
 first synced backward) decides the summation order of every later reduction: with three or more
@@ -8,6 +8,8 @@ run must reduce with the layout the interrupted run had.
 from __future__ import annotations
 
 from typing import Any
+
+from torch import nn
 
 _KEYS = {"gradients", "bucket_order", "main_grads", "bucket_caps", "trees"}
 
@@ -62,3 +64,11 @@ def load_grad_state(reducer: Any, state: dict[str, Any]) -> None:
                          "it, and the other way round (the window's gradients live in its trees)")
     if "trees" in state:
         store.load_tree_state(state["trees"])
+
+
+def zero_grad(ddp: Any, set_to_none: bool = True) -> None:
+    """``nn.Module.zero_grad``, and with ``reduce_dtype`` the window's slots: there, not in ``.grad`` (None inside a
+    window), the ``no_sync`` micro-steps' gradients wait, and the next synced backward would reduce them."""
+    nn.Module.zero_grad(ddp, set_to_none)
+    if (main := ddp.reducer.store.main) is not None:
+        main.forget_window()

@@ -31,7 +31,7 @@ from .compile import active_ddp, bucket_bytes_caps, skip_wrapper_frames
 from .construct import broadcast_coalesced, check_comm_hook, check_group, claim, initial_wait, verify_same_model
 from .delay import DelayedAllReduce
 from ..deterministic import ordered_parts
-from .grad_state import grad_state, load_grad_state
+from .grad_state import grad_state, load_grad_state, zero_grad
 from .join import DDPJoinHook, Join
 from .options import resolve
 from .snapshot import module_tensors, parameters_swapped, snapshot
@@ -189,8 +189,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.broadcast_tensors(list(self.module.buffers()), src_rank)
 
     def will_broadcast_buffers(self) -> bool:
-        # Every training forward starts from rank 0's buffers, no_sync micro-steps included; eval
-        # and no_grad forwards skip the broadcast, so rank-local evaluation needs no collective.
+        # every training forward, no_sync ones too; eval and no_grad forwards skip it (local evaluation: no collective)
         return (self.forward_sync_buffers and self.require_forward_param_sync and self.world_size > 1
                 and self.module.training and torch.is_grad_enabled())
 
@@ -302,6 +301,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     timeout = property(lambda self: self.reducer.config.timeout)
     # Dynamo's DDP optimizer splits compiled graphs at the cap in use ("auto" changes it while it chooses)
     bucket_bytes_cap = property(lambda self: bucket_bytes_caps(*self.reducer.store.caps)[0])
+    zero_grad = zero_grad  # nn.Module's, and reduce_dtype's slots, where a window's gradients wait (grad_state.py)
 
     def __getstate__(self) -> dict[str, Any]:  # without the process group and reducer, as torch's
         return torch_extras.getstate(self)
