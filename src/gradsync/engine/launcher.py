@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from .. import process
 from .._torch import Future
+from .bucket import slot
 from .control import ControlPlane
 from .store import Bucket
 
@@ -59,13 +60,15 @@ class GradBucket:
         return self._is_last
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the bucket's contents with ``tensor`` (same number of elements)."""
+        """Make ``tensor`` (as many elements) the bucket's buffer, as torch's does: torch's ``fp16_compress_wrapper``
+        hands the hook it wraps a half-precision buffer this way, and its future may yield that dtype."""
         if tensor.numel() != self._buffer.numel():
             raise ValueError(
                 f"set_buffer on bucket {self._index}: expected {self._buffer.numel()} elements, "
                 f"got {tensor.numel()}"
             )
-        self._buffer.copy_(tensor.reshape(self._buffer.shape))
+        old, self._buffer = self._buffer, tensor.reshape(self._buffer.shape).contiguous()
+        self._gradients = [slot(self._buffer, g.storage_offset() - old.storage_offset(), g) for g in self._gradients]
 
 
 def one_collective(hook: CommHook, world_sizes: tuple[int, ...] | None = None) -> CommHook:
@@ -102,6 +105,7 @@ class BucketLauncher:
         self.plane = plane  # every wait is bounded there
         self.params = params
         self.hook: CommHook | None = None
+        self.set_dtypes: dict[int, torch.dtype] = {}  # bucket index -> its buffer's dtype once the hook returned
         self.state: Any = None
         # a window may be reduced again (a commit protocol, skip_on): keep the hook's state as each synced
         # backward's first launch found it, and put it back before the second reduction (rewind)
@@ -156,7 +160,9 @@ class BucketLauncher:
             self.plane.wait(previous, f"bucket {index - 1} (its hook's collectives finish before bucket {index})")
         if buffer.is_complex():  # as torch's reducer: hooks see the real view (a cast would drop imaginary parts)
             buffer, views = torch.view_as_real(buffer).view(-1), [torch.view_as_real(v) for v in views]
-        handle = self.hook(self.state, GradBucket(index, buffer, views, [self.params[i] for i in members], is_last))
+        bucket = GradBucket(index, buffer, views, [self.params[i] for i in members], is_last)
+        handle = self.hook(self.state, bucket)
+        self.set_dtypes[index] = bucket.buffer().dtype  # set_buffer may have declared another
         if not isinstance(handle, Future):  # torch's sentence and type, raised where torch raises it (the bucket's launch)
             raise RuntimeError(
                 "gradsync: DDP communication hook's callback must return a torch.futures.Future object, but got "
@@ -199,6 +205,8 @@ class BucketLauncher:
                 f"gradsync: the communication hook's future for bucket {bucket.index} yielded {what}; "
                 f"expected a tensor of {bucket.buffer.numel()} elements (the bucket's buffer)"
             )
+        if result.dtype != bucket.buffer.dtype and result.dtype == self.set_dtypes.get(bucket.index):
+            result = result.to(bucket.buffer.dtype)  # the dtype the hook's set_buffer declared: decompressed here
         if result.dtype != bucket.buffer.dtype:
             raise TypeError(
                 f"gradsync: the communication hook's future for bucket {bucket.index} yielded a "
