@@ -54,6 +54,8 @@ def test_comm_hook_that_raises(where):
     (kind0, message0, seconds0), (kind1, message1, _) = faults(raising_hook, where)
     assert "hook exploded" in message1, message1
     assert kind1 == ("SyncError" if where == "future" else "ValueError")
+    if where == "future":  # its own future's error, not a timeout blamed on the others
+        assert "and it failed: " in message1 and "did not finish" not in message1, message1
     # rank 0 waits (bounded) for collectives rank 1 never finishes
     assert kind0 == "SyncError" and "waited for" in message0, message0
     assert seconds0 < TIMEOUT + SLACK

@@ -78,6 +78,9 @@ def hook_rules(rank, world_size, case):
     if case == "not_callable":
         with pytest.raises(TypeError, match="callable"):
             model.register_comm_hook(None, "allreduce")
+    elif case == "three_arguments":  # refused at registration, as torch refuses it, not at the first backward
+        with pytest.raises(TypeError, match="cannot be called as hook\\(state, bucket\\)"):
+            model.register_comm_hook(None, lambda state, bucket, extra: bucket.buffer())
     elif case == "twice":
         model.register_comm_hook(None, gradsync.allreduce_hook)
         with pytest.raises(RuntimeError, match="only be called once"):
@@ -109,8 +112,8 @@ def hook_rules(rank, world_size, case):
             run()
 
 
-@pytest.mark.parametrize("case", ["not_callable", "twice", "after_training", "wrong_shape", "wrong_type",
-                                  "not_a_future"])
+@pytest.mark.parametrize("case", ["not_callable", "three_arguments", "twice", "after_training", "wrong_shape",
+                                  "wrong_type", "not_a_future"])
 def test_hook_rules(case):
     run_ranks(hook_rules, 2, case, pg_timeout=5)
 

@@ -225,6 +225,11 @@ def check_comm_hook(hook: Any) -> None:
         sig = inspect.signature(hook)
     except ValueError:  # no signature (a builtin): nothing to check
         return
+    try:
+        sig.bind(None, None)
+    except TypeError as exc:  # torch fails at registration too (a KeyError), not at the first backward
+        raise TypeError(f"gradsync: Communication hook {getattr(hook, '__name__', hook)!r} cannot be called as "
+                        f"hook(state, bucket): {exc}. A hook is hook(state, bucket) -> torch.futures.Future[torch.Tensor].") from None
     params = list(sig.parameters.values())
     bucket = sig.parameters.get("bucket") or (params[1] if len(params) > 1 else None)
     if bucket is not None and not _annotation_ok(bucket.annotation, (dist.GradBucket, GradBucket),

@@ -98,6 +98,10 @@ def phases_out_of_step(phases: list[tuple[int, int, int, int]]) -> str:
 
 
 def wait_failed(rank: int, what: str, sync: int, backward: int, timeout: float, exc: BaseException) -> str:
-    return (f"gradsync: rank {rank} waited for {what} of synced backward {sync} (backward {backward} on this rank) "
-            f"and it failed or did not finish within {timeout:g}s: {exc}. Likely cause: another rank died, raised, "
+    waited = f"gradsync: rank {rank} waited for {what} of synced backward {sync} (backward {backward} on this rank)"
+    if not isinstance(exc, TimeoutError) and "timed out" not in str(exc).lower():
+        return (f"{waited} and it failed: {type(exc).__name__}: {exc}. A closed or reset connection means another "
+                "rank died or raised; any other error came from this rank (its communication hook, or a callback "
+                "chained on the hook's future).")
+    return (f"{waited} and it did not finish within {timeout:g}s: {exc}. Likely cause: another rank died, raised, "
             "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync.")
