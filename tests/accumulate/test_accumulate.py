@@ -225,6 +225,50 @@ def test_misuse_raises_clearly():
         acc.split((x, y))
 
 
+UNEVEN_ROWS = (7, 5)
+
+
+def uneven_batch(step, rank):
+    g = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(UNEVEN_ROWS[rank], 8, generator=g), torch.randn(UNEVEN_ROWS[rank], 4, generator=g)
+
+
+def split_uneven(rank, world_size, sharded):
+    module = mlp(seed=0)
+    if sharded:
+        model = gradsync.ShardedDataParallel(module)
+        opt = gradsync.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    else:
+        model = gradsync.DDP(module)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    acc = gradsync.GradientAccumulator(model, steps=3)
+    opt, out = acc.wrap_optimizer(opt), []
+    for x, y in acc.iterate([uneven_batch(step, rank) for step in range(2)], micro_batches=3):
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        if acc.is_boundary:
+            out.append(params(module))
+    return out
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_split_windows_of_uneven_batches_average_the_ranks_batch_means(sharded):
+    # each rank's window is its batch's mean (split weights its pieces by rows); the ranks then average, as DDP
+    # averages mean losses. Each rank used to rescale by its own rows against all ranks' (7/6 and 5/6 here).
+    module, want = mlp(seed=0), []
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    for step in range(2):
+        opt.zero_grad()
+        (sum(F.mse_loss(module(x), y) for x, y in (uneven_batch(step, r) for r in range(2))) / 2).backward()
+        opt.step()
+        want.append(params(module))
+    for got in run_ranks(split_uneven, 2, sharded):
+        for g, w in zip(got, want):
+            assert_close_dicts(g, w)
+
+
 def test_split_keeps_the_batch_structure():
     Batch = collections.namedtuple("Batch", "x meta")
     x, ids = torch.arange(14.0).reshape(7, 2), torch.arange(7)

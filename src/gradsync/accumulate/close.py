@@ -24,10 +24,12 @@ class WindowClose(Windows):
     """Windows that close: the rescale and the skips' records at each window's end (``GradientAccumulator``
     adds the micro-steps, their backward and their skips)."""
 
-    def _carry(self, units: int, count: float = 0.0) -> Any:
+    def _carry(self, units: float, count: float = 0.0) -> Any:
         """At a window's synced backward, send this rank's kind of window, item count, loss units that
         ran and number of skips in its phase header; return the reader of every active rank's, or None
         where nothing is carried. Offer overlap_optimizer the window's rescale, known once the header is in."""
+        if self._weights is not None:  # a split() window: the share of this rank's rows that ran (ranks' rows differ)
+            units = units / sum(self._rows)
         if not self._boundary:
             if self.sync_each_batch:  # a synced micro-step inside the window: overlap_optimizer steps only at its end
                 process.announce("window_rescale", self.model, lambda: None)
@@ -61,7 +63,7 @@ class WindowClose(Windows):
             rows = {0: (TAG[self._kind], total or 0.0, self._world_size * self._sent[1], float(len(self._records)))}
         rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
         check_kinds(rows, self.windows)
-        expected = self._scale_len if self._weights is None else sum(self._rows)
+        expected = self._scale_len if self._weights is None else 1.0  # _carry sent a split window's share
         self._rescale = (window_factor(rows, self._world_size, expected, any(row[3] for row in rows.values())), rows)
         return self._rescale[0]
 

@@ -38,12 +38,13 @@ def check_kinds(rows: Rows, window: int) -> None:
         "rank, or acc.backward(mean_loss) on every rank; zero the gradients before stepping.")
 
 
-def window_factor(rows: Rows, world_size: int, expected_units: int, skipped: bool) -> float | None:
+def window_factor(rows: Rows, world_size: int, expected_units: float, skipped: bool) -> float | None:
     """The factor that makes the reduced window the mean over what ran; None: nothing ran anywhere.
 
     With ``num_items``: ``world_size / items``. With mean losses, each scaled by its share of the
-    planned window (``expected_units``: micro-steps, or rows of a ``split()`` window):
-    ``world_size * expected_units / units that ran`` -- exactly 1 when every micro-step ran.
+    planned window (``expected_units``: micro-steps; 1 for a ``split()`` window, whose rows differ across
+    ranks, each rank carrying the share of its rows that ran): ``world_size * expected_units / units that
+    ran`` -- exactly 1 when every micro-step ran.
     """
     if TAG[ITEMS] in {row[0] for row in rows.values()}:
         total = sum(row[1] for row in rows.values())
