@@ -52,6 +52,8 @@ class Chunked(nn.Module):
             raise ValueError("gradsync: Chunked needs at least one tensor argument with a batch dimension")
         self._check_rows_independent()
         rows = batched[0].shape[0]
+        if rows == 0:  # an empty micro-batch (num_items=0): nothing to chunk
+            return self.module(*args, **kwargs)
         plan = _Plan(self.module, spec, leaves, [i for i, _ in tensors],
                      [x.dim() > 0 and x.shape[0] == rows for _, x in tensors],
                      row_bounds(rows, min(self.chunks, rows)), params)

@@ -30,7 +30,7 @@ def run(module, x, weight):
     return out.detach()
 
 
-@pytest.mark.parametrize("rows,chunks", [(10, 3), (8, 4), (3, 5), (6, 1)])
+@pytest.mark.parametrize("rows,chunks", [(10, 3), (8, 4), (3, 5), (6, 1), (0, 3)])
 @pytest.mark.parametrize("input_grad", [True, False])
 def test_gradients_equal_the_unchunked_module(rows, chunks, input_grad):
     g = torch.Generator().manual_seed(rows)
