@@ -11,6 +11,7 @@ groups gives the same result as one step over all of them.
 """
 from __future__ import annotations
 
+import types
 import weakref
 from typing import Any
 
@@ -48,31 +49,39 @@ class OverlappedStep:
             raise ValueError(
                 "gradsync: overlap_optimizer needs find_unused_parameters=False: which parameters got a "
                 "gradient on some rank is known only after the last bucket, too late to step early")
-        owned = {id(p) for p in reducer.params}
-        foreign = [p for g in optimizer.param_groups for p in g["params"] if id(p) not in owned]
-        if foreign:
-            raise ValueError(
-                f"gradsync: the optimizer holds {len(foreign)} parameter(s) that the model does not reduce "
-                "(another module's, or ones excluded from synchronization); overlap_optimizer steps only "
-                "the model's buckets. Give those parameters their own optimizer.")
+        self._ids = frozenset(id(p) for p in reducer.params)
         # the model weakly: its finalizer holds the reducer, which holds this handle
         self._model, self.optimizer, self.reducer = weakref.ref(model), optimizer, reducer
+        self._map_groups()
         self.stepped = False  # the latest synced backward stepped every bucket; step() is then a no-op
         self.rescale: Any = None  # an accumulator's window factor, asked before each bucket steps (None: no step)
         _STEPS[id(reducer)] = self
-        self._group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
         self._plain_step = optimizer.step
-        optimizer.step = self._step  # an instance attribute: remove() deletes it
+        # an instance attribute (remove() deletes it), bound to the optimizer: torch's LR schedulers re-bind it there
+        optimizer.step, optimizer._gradsync_overlap = types.MethodType(_overlapped_step, optimizer), self
         self._held_amp = claim_amp_scaling(optimizer)  # a GradScaler then calls step() every time: _step refuses it
         reducer.on_bucket_reduced(self._step_bucket)
-        self._ids = frozenset(owned)
         process.claim_clip_grad_norm(self)  # refuse clipping after an overlapped step (clip_grad_norm_for)
 
     @property
     def model(self) -> nn.Module | None:
         return self._model()
 
+    def _map_groups(self) -> None:
+        """Which group each parameter is in, again whenever the groups changed (``add_param_group``)."""
+        groups = self.optimizer.param_groups
+        foreign = [p for g in groups for p in g["params"] if id(p) not in self._ids]
+        if foreign:
+            raise ValueError(
+                f"gradsync: the optimizer holds {len(foreign)} parameter(s) that the model does not reduce "
+                "(another module's, or ones excluded from synchronization); overlap_optimizer steps only "
+                "the model's buckets. Give those parameters their own optimizer.")
+        self._group_of = {id(p): k for k, g in enumerate(groups) for p in g["params"]}
+        self._sizes = [len(g["params"]) for g in groups]
+
     def _step_bucket(self, members: list[int]) -> None:
+        if [len(g["params"]) for g in self.optimizer.param_groups] != self._sizes:
+            self._map_groups()  # before any bucket steps: a parameter added since would never step
         params = [self.reducer.params[i] for i in members]
         last = members[-1] == self.reducer.buckets[-1].members[-1]
         factor = self.rescale() if self.rescale is not None else 1.0
@@ -117,6 +126,7 @@ class OverlappedStep:
             self.reducer.on_bucket_reduced(None)
             _STEPS.pop(id(self.reducer), None)
         self.optimizer.__dict__.pop("step", None)
+        self.optimizer.__dict__.pop("_gradsync_overlap", None)
         claim_amp_scaling(self.optimizer, self._held_amp)  # a fused optimizer's own True comes back
         process.release_clip_grad_norm(self)
 
@@ -135,6 +145,10 @@ class OverlappedStep:
                 "already made, bucket by bucket: clipping now changes nothing, and a global norm "
                 "cannot be known before the last bucket. Remove overlap_optimizer (handle.remove()) "
                 "to clip.")
+
+
+def _overlapped_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+    return optimizer._gradsync_overlap._step(closure)
 
 
 _STEPS: weakref.WeakValueDictionary[int, OverlappedStep] = weakref.WeakValueDictionary()  # by id(reducer)

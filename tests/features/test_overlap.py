@@ -138,6 +138,8 @@ def misuse(rank, world_size, how):
         if how == "foreign":
             opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
         gradsync.overlap_optimizer(model, opt)
+        if how == "foreign_later":  # found before the first bucket of the next synced backward steps
+            opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
         if how == "step_without_backward":
             opt.step()
         shard_backward(model, rank, world_size, x, y)
@@ -154,6 +156,7 @@ def misuse(rank, world_size, how):
     ("lbfgs", "TypeError", "cannot split LBFGS.step() per bucket"),
     ("find_unused", "ValueError", "find_unused_parameters=False"),
     ("foreign", "ValueError", "that the model does not reduce"),
+    ("foreign_later", "ValueError", "that the model does not reduce"),
     ("step_without_backward", "RuntimeError", "without a synced backward since the last step"),
     ("clip", "RuntimeError", "clip_grad_norm_ after a backward"),
     ("clip_value", "RuntimeError", "clip_grad_value_ after a backward"),
@@ -240,3 +243,35 @@ def deleted(rank, world_size):
 
 def test_a_deleted_model_and_its_optimizer_are_freed():
     assert run_ranks(deleted, 1) == [[True, True]]
+
+
+def changed_later(rank, world_size, how, overlapped):
+    """What a loop may do after overlap_optimizer: build its scheduler, add a parameter group, or train a
+    static_graph model with a parameter no forward uses."""
+    module = mlp(seed=0)
+    if how == "static_graph_unused":
+        module.register_parameter("never", torch.nn.Parameter(torch.ones(3)))
+    model = gradsync.DDP(module, static_graph=how == "static_graph_unused", **SMALL_BUCKETS)
+    ps = list(model.parameters())
+    opt = torch.optim.AdamW(ps[:2] if how == "add_param_group" else ps, lr=0.01)
+    if overlapped:
+        gradsync.overlap_optimizer(model, opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)  # built after it
+    for step, (x, y) in enumerate(batches(4, world_size)):
+        if how == "add_param_group" and step == 1:
+            opt.add_param_group({"params": ps[2:], "lr": 0.02})
+        shard_backward(model, rank, world_size, x, y)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+@pytest.mark.parametrize("how", ["scheduler_after", "add_param_group", "static_graph_unused"])
+def test_later_changes_step_as_the_plain_loop(how):
+    # a scheduler built after it re-binds optimizer.step to the optimizer; a group added later was never
+    # stepped; static_graph's unused parameter got a zero gradient and AdamW moved it
+    plain, overlapped = run_ranks(changed_later, 2, how, False), run_ranks(changed_later, 2, how, True)
+    for ours, theirs in zip(overlapped, plain):
+        for name in theirs:
+            assert torch.equal(ours[name], theirs[name]), name

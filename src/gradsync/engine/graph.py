@@ -58,6 +58,11 @@ class Expected:
         if config.find_unused_parameters and not (config.static_graph and self.static_counts is not None):
             self.reachable |= reachable_params(outputs, self.index_of)
 
+    def everyone(self, n: int, world_size: int) -> list[int]:
+        """Per parameter, the ranks that produce its gradient, as known before the control (overlap_optimizer):
+        every rank, but none for a parameter ``static_graph`` learned is unused."""
+        return [world_size] * n if self.static_counts is None else [world_size * bool(c) for c in self.static_counts]
+
     def unused(self, n: int, config: Any) -> list[int]:
         """Parameters this synced backward will not produce (ready at its start); resets ``reachable``."""
         if config.static_graph and self.static_counts is not None:

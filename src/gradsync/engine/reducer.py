@@ -198,8 +198,7 @@ class Reducer:
         it, buckets = self.it, self.store.buckets
         try:
             if self.plane.work is not None and buckets[it.next_launch].pending == 0:
-                # the header pairs before the first bucket; blocking here costs at most one small
-                # all-reduce's latency, hidden when the first bucket fills later than that
+                # the header pairs before the first bucket: at most one small all-reduce's latency, hidden mostly
                 start = time.perf_counter()
                 self.plane.check_header()
                 it.hook_wait += time.perf_counter() - start
@@ -246,7 +245,8 @@ class Reducer:
         self.launcher.before_control([b.handle for b in store.buckets])
         control = self.plane.send_control(used, failed, telemetry.local_norm2(self) if self.measure_norm else None)  # in flight beside them
         if self.bucket_reduced is not None and self.attached is None and not self.window_apart:  # overlap_optimizer: step each as reduced
-            results = store.write_back_as_reduced(self.launcher, self.world_size, self.finite_check, self.bucket_done)
+            everyone = self.expected.everyone(n, self.world_size)  # static_graph's unused parameters: no rank's
+            results = store.write_back_as_reduced(self.launcher, everyone, self.finite_check, self.bucket_done)
         else:  # every bucket's, or a skipped one's own buffer (unused.py, only when enabled: off the trip)
             results = self.skips.results(self.launcher, store.buckets) if self.skips.enabled else [
                 self.launcher.result(b) for b in store.buckets]

@@ -289,10 +289,10 @@ class BucketStore:
         for b in self.buckets:
             b.pending = 0
 
-    def write_back_as_reduced(self, launcher: Any, world_size: int, check: Any, done: Any) -> None:
-        """Write each bucket back as soon as it is reduced and call ``done(members)`` (overlap_optimizer);
-        the control's checks come after: a failing one raises on every rank, these buckets already stepped."""
-        everyone = [world_size] * len(self.params)  # find_unused_parameters is refused there
+    def write_back_as_reduced(self, launcher: Any, everyone: list[int], check: Any, done: Any) -> None:
+        """Write each bucket back as soon as it is reduced and call ``done(members)`` (overlap_optimizer; ``everyone``:
+        the counts, known before the control: find_unused_parameters is refused there); the control's checks come
+        after: a failing one raises on every rank, these buckets already stepped."""
         for b in self.buckets:
             result = launcher.result(b)
             if check is not None:
