@@ -185,6 +185,11 @@ def delayed(rank, world_size):
         step(ddp, rank, world_size)
     local = grads(ddp.module)
     step(ddp, rank, world_size)
+    theirs = nn.parallel.DistributedDataParallel(
+        mlp(seed=0), delay_all_reduce_named_params=[("2.weight", named["2.weight"]), ("2.bias", named["2.bias"])],
+        param_to_hook_all_reduce=named["0.weight"])
+    assert list(ddp.state_dict()) == list(theirs.state_dict())  # the hook parameter is not the wrapper's own
+    assert [n for n, _ in ddp.named_parameters()] == [n for n, _ in theirs.named_parameters()]
     return local, grads(ddp.module), [p.numel() for p in ddp.reducer.params]
 
 

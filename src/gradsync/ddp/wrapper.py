@@ -91,7 +91,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.batched_grad_copy = batched_grad_copy
         self.world_size = dist.get_world_size(self.process_group)
         skip_wrapper_frames()
-        self.reduced_names, self.delayed_names, self.delay_trigger = options.reduced, list(options.delayed), param_to_hook_all_reduce
+        # the hook parameter unregistered (in __dict__): it is the module's, not the wrapper's, as in torch's state_dict
+        self.reduced_names, self.delayed_names, self.__dict__["delay_trigger"] = options.reduced, list(options.delayed), param_to_hook_all_reduce
         if init_sync:  # before the reducer allocates its buckets: peak memory is one model copy less
             verify_same_model(module, self.process_group, options.config.timeout, self.device)
             if self.world_size > 1:
@@ -189,7 +190,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.broadcast_tensors(list(self.module.buffers()), src_rank)
 
     def will_broadcast_buffers(self) -> bool:
-        # every training forward, no_sync ones too; eval and no_grad forwards skip it (local evaluation: no collective)
+        # every training forward (no_sync too); eval and no_grad forwards skip it: local evaluation, no collective
         return (self.forward_sync_buffers and self.require_forward_param_sync and self.world_size > 1
                 and self.module.training and torch.is_grad_enabled())
 
@@ -313,8 +314,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         super().__setstate__(state)
         self.build_reducer(config)
 
-    def _set_static_graph(self) -> None:
-        torch_extras.set_static_graph(self)
+    _set_static_graph = torch_extras.set_static_graph
 
     def _log_and_throw(self, err_type: type[Exception], err_msg: str) -> NoReturn:
         raise torch_extras.log_error(self, err_type(err_msg))
