@@ -54,3 +54,10 @@ def test_a_list_of_caps_gives_each_bucket_its_own_cap():
     assert plan == [[6], [5, 4], [3, 2, 1], [0]]  # the last cap repeats
     with pytest.raises(ValueError):
         plan_buckets(params, bucket_cap_mb=[1, 0])
+
+
+def test_a_fractional_cap_counts_whole_bytes_as_torch():
+    # torch's DDP caps a bucket at int(bucket_cap_mb * 2**20) bytes; 104.5 bytes is 104: a bucket of two
+    # 13-float parameters (104 bytes) is full, so a comm hook sees torch's buckets
+    cap = 104.5 / MiB
+    assert plan_buckets(floats(13, 13, 13), bucket_cap_mb=cap, first_bucket_cap_mb=cap) == [[2, 1], [0]]

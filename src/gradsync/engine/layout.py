@@ -51,7 +51,7 @@ def plan_buckets(
     if sorted(order) != list(range(len(params))):
         raise ValueError("order must be a permutation of the parameter indices")
 
-    limits = [first_bucket_cap_mb * MiB] + [c * MiB for c in (caps[1:] or caps)]  # bucket k's cap
+    limits = [int(first_bucket_cap_mb * MiB)] + [int(c * MiB) for c in (caps[1:] or caps)]  # in whole bytes, as torch
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
     closed: list[tuple[int, list[int]]] = []  # (position of first member in the walk, members)
     first_pos: dict[tuple[torch.dtype, torch.device], int] = {}
