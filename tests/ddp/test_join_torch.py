@@ -98,3 +98,32 @@ def join_disabled(rank, world_size):
 def test_join_can_be_disabled_and_entered_again():
     a, b = run_ranks(join_disabled, 2, timeout=60)
     assert_close_dicts(a, b, atol=0, rtol=0)
+
+
+def batch_norm_uneven(rank, world_size):
+    """BatchNorm's running statistics through a join: rank 0 runs 3 batches, the others 5; both wrappers."""
+    out = []
+    for cls in (TorchDDP, gradsync.DDP):
+        torch.manual_seed(0)
+        net = cls(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 1)))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        seen = []
+        with net.join():
+            for _ in range(3 if rank == 0 else 5):
+                net(torch.randn(6, 4, generator=g)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+                seen.append({n: b.clone() for n, b in net.module.named_buffers()})
+        out.append((seen, params(net.module), {n: b.clone() for n, b in net.module.named_buffers()}))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_buffers_through_a_join_come_from_the_highest_active_rank_as_torchs(world_size):
+    # rank 0 may have joined with stale buffers: every forward broadcasts from the highest active rank
+    for theirs, ours in run_ranks(batch_norm_uneven, world_size):
+        for a, b in zip(theirs[0], ours[0]):
+            assert_close_dicts(a, b, atol=0, rtol=0)
+        assert_close_dicts(theirs[1], ours[1])
+        assert_close_dicts(theirs[2], ours[2], atol=0, rtol=0)

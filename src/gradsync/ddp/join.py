@@ -9,7 +9,7 @@ from its own state whether an active rank's next backward will synchronize, so e
 sets its own slot to 1 and adds whether this forward's backward syncs and whether it broadcasts
 buffers; a joined rank's ``main_hook`` adds zeros. From the sum every rank learns who is active
 and what follows, and a joined rank shadows exactly those collectives: the buffer broadcast
-(from the lowest active rank) and, when the backward syncs, every bucket's collective with zero
+(from the highest active rank, as torch's) and, when the backward syncs, every bucket's collective with zero
 gradients plus the end-of-backward check, each preceded by a phase header with an empty row
 (``header.py``). Once every rank has joined, ``post_hook`` copies the
 parameters (and buffers, when they sync at runtime) from the highest rank among the last active
@@ -84,7 +84,7 @@ class DDPJoinHook(JoinHook):
         active, syncs, _ = self._handshake(True, will_sync, ddp.will_broadcast_buffers())
         ddp.reducer.plane.set_active(active)
         self.expect_sync = syncs if torch.is_grad_enabled() else None
-        return active[0]
+        return active[-1]  # the highest active rank, as torch: rank 0 may have joined, its buffers stale
 
     def check_backward(self, sync: bool) -> None:
         if not join_enabled(self.ddp):
@@ -111,7 +111,7 @@ class DDPJoinHook(JoinHook):
         buffers = list(ddp.module.buffers())
         if broadcasts and buffers:
             ddp.reducer.plane.exchange_header(0)
-            ddp.broadcast_tensors(buffers, active[0])
+            ddp.broadcast_tensors(buffers, active[-1])
         if syncs:
             shadow_backward(ddp.reducer)
 
