@@ -162,7 +162,10 @@ class BucketLauncher:
             buffer, views = torch.view_as_real(buffer).view(-1), [torch.view_as_real(v) for v in views]
         bucket = GradBucket(index, buffer, views, [self.params[i] for i in members], is_last)
         handle = self.hook(self.state, bucket)
-        self.set_dtypes[index] = bucket.buffer().dtype  # set_buffer may have declared another
+        if bucket.buffer().dtype != buffer.dtype:  # the hook's set_buffer declared another dtype for its result
+            self.set_dtypes[index] = bucket.buffer().dtype
+        else:
+            self.set_dtypes.pop(index, None)
         if not isinstance(handle, Future):  # torch's sentence and type, raised where torch raises it (the bucket's launch)
             raise RuntimeError(
                 "gradsync: DDP communication hook's callback must return a torch.futures.Future object, but got "
