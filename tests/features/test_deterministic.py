@@ -156,3 +156,57 @@ def test_a_mid_window_checkpoint_keeps_the_tree(each):
     plain, restored = run_ranks(resumed, 2, False, each), run_ranks(resumed, 2, True, each)
     for a, b in zip(plain, restored):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class Branched(nn.Module):
+    """A branch only some global micro-batches use (find_unused_parameters=True)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.branch = nn.Linear(6, 3), nn.Linear(6, 3)
+
+    def forward(self, x, use):
+        return self.a(x) + self.branch(x) if use else self.a(x)
+
+
+USES = {0, 3, 6}  # the global micro-batches that reach the branch
+
+
+def branched(rank, world_size, each, overlap, unused):
+    net = Branched()
+    model = gradsync.DDP(net, deterministic=True, find_unused_parameters=unused) if world_size else net
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    if overlap:
+        gradsync.overlap_optimizer(model, opt)
+    k = GLOBAL // max(world_size, 1)
+    acc = gradsync.GradientAccumulator(model, steps=k, sync_each_batch=each) if world_size else None
+    steps = []
+    for window in windows():
+        mine = list(enumerate(window))[rank::world_size] if each else list(enumerate(window))[rank * k:(rank + 1) * k]
+        for j, (x, y, _) in (mine if world_size else enumerate(window)):
+            x = x.mean(1)
+            if acc is None:  # one process, the plain loop: the mean over the window's micro-batches
+                (F.mse_loss(net(x, j in USES or not unused), y) / GLOBAL).backward()
+                continue
+            with acc.accumulate():
+                acc.backward(F.mse_loss(model(x, j in USES or not unused), y))
+                if overlap:
+                    acc.wrap_optimizer(opt).step()
+        if not overlap:
+            opt.step()
+        opt.zero_grad()
+        steps.append([p.detach().clone() for p in net.parameters()])
+    return steps
+
+
+@pytest.mark.parametrize("unused,overlap", [(True, False), (False, True)], ids=["find_unused", "overlap_optimizer"])
+def test_sync_each_batch_with_a_branch_some_micro_batches_skip_or_an_overlapped_step(unused, overlap):
+    # find_unused: a rank that did not reach the branch in a micro-step sent the window's total so far again;
+    # overlap_optimizer: each bucket stepped on the last micro-step's reduction, not the window's total
+    one = branched(0, 0, False, False, unused)
+    for w in (1, 2):
+        for steps in run_ranks(branched, w, True, overlap, unused, timeout=120):
+            for got, want in zip(steps, one):
+                for a, b in zip(got, want):
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -41,12 +41,13 @@ class TreeStore(BucketStore):
         gradient is accumulated ``.grad`` is emptied again, so each micro-step reduces its own gradient alone."""
         self.reductions = [TreeSum() for _ in self.params]
         self.written: list[tuple[Any, int] | None] = [None] * len(self.params)  # stamp() of the total put in .grad
+        self.fired = [False] * len(self.params)  # before_accumulate ran in this micro-step (not: an unused parameter)
         me = weakref.ref(self)
         self.handles = [p.register_hook(_before_accumulate(me, i)) for i, p in enumerate(self.params)]
 
     def before_accumulate(self, i: int) -> None:
         """A gradient of parameter ``i`` is about to be accumulated into ``.grad``."""
-        p, written = self.params[i], self.written[i]
+        p, written, self.fired[i] = self.params[i], self.written[i], True
         if unchanged(written, p.grad):
             p.grad = None  # the window's total so far: it stays in the tree of reductions
         else:  # .grad emptied or replaced since (zero_grad): a new window
@@ -67,6 +68,13 @@ class TreeStore(BucketStore):
     def copy_in(self, i: int, divide: bool) -> None:
         """Put the window's tree total into the slot (divided by a power-of-two world size: exact). The
         tree stays until the reduction is written back: a commit protocol may reduce the window again."""
+        if self.reductions is not None and not self.fired[i]:  # no gradient of this rank's in this micro-step
+            if unchanged(self.written[i], self.params[i].grad):
+                self.params[i].grad = None  # the window's total so far: it stays in its reductions
+            else:  # .grad emptied or replaced since (zero_grad): a new window
+                self.reductions[i] = TreeSum()
+        if self.reductions is not None:
+            self.fired[i] = False
         grad = self.params[i].grad  # the window's only leaf when the tree is empty: it stays, apart from the bucket
         if self.trees[i] or (grad is not None and self.grad_as_view and self._is_slot(i, grad)):
             self.keep_local(i)
@@ -79,14 +87,29 @@ class TreeStore(BucketStore):
             view.copy_(total)
 
     def end_sync(self, results: list[Any] | None, counts: list[int], done: Any = None) -> None:
-        super().end_sync(results, counts, done)
+        super().end_sync(results, counts, self._totals_first(counts, done))
         self.forget_trees()  # the window is reduced and written back
-        if self.reductions is not None:
-            for i, p in enumerate(self.params):
-                if counts[i] and p.grad is not None:
-                    self.reductions[i].push(p.grad.detach().clone())
-                    p.grad = self.reductions[i].total().clone()
-                    self.written[i] = stamp(p.grad)
+        if self.reductions is not None and done is None:
+            self._totals(range(len(self.params)), counts)
+
+    def write_back_as_reduced(self, launcher: Any, everyone: list[int], check: Any, done: Any) -> None:
+        super().write_back_as_reduced(launcher, everyone, check, self._totals_first(everyone, done))
+
+    def _totals_first(self, counts: list[int], done: Any) -> Any:
+        """overlap_optimizer's ``done(members)``, after those parameters' ``.grad`` became the window's total."""
+        if done is None or self.reductions is None:
+            return done
+        return lambda members: (self._totals(members, counts), done(members))[1]
+
+    def _totals(self, members: Any, counts: list[int]) -> None:
+        """``sync_each_batch``: this micro-step's reduction joins the tree of reductions; ``.grad`` is its total."""
+        for i in members:
+            p = self.params[i]
+            if counts[i] and p.grad is not None:
+                self.reductions[i].push(p.grad.detach().clone())
+            if self.reductions[i]:
+                p.grad = self.reductions[i].total().clone()
+                self.written[i] = stamp(p.grad)
 
     def release(self) -> None:
         super().release()
