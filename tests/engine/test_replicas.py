@@ -188,3 +188,34 @@ def test_every_option_trains_clean_and_catches_a_flipped_parameter(option):
     caught = run_ranks(options_run, 3, option, 6, 3, timeout=120)
     for step, message in caught:
         assert step == 3 and "rank(s) [1] disagree" in message and "'2.weight'" in message, (step, message)
+
+
+class Branch(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.extra = torch.nn.Linear(8, 16), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x, use):
+        h = torch.tanh(self.a(x))
+        return self.b(h) + self.extra(h) if use else self.b(h)
+
+
+def skipped_then_used(rank, world_size, check):
+    net = Branch()
+    model = gradsync.DDP(net, find_unused_parameters=True, skip_all_reduce_unused_params=True, bucket_cap_mb=0.0001,
+                         check_replicas=check)
+    opt, g = torch.optim.SGD(model.parameters(), lr=0.1), torch.Generator().manual_seed(rank)
+    for step in range(6):
+        x = torch.randn(6, 8, generator=g)
+        F.mse_loss(model(x, step == 3 and rank == 0), x[:, :4]).backward()  # no rank used it, then rank 0 does
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+def test_a_skipped_bucket_reduced_late_is_fingerprinted_after_its_reduction():
+    # it used to be fingerprinted as this rank's unreduced buffer: a healthy rank was named the next step
+    checked, plain = run_ranks(skipped_then_used, 3, True), run_ranks(skipped_then_used, 3, False)
+    for ours, theirs in zip(checked, plain):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))

@@ -132,6 +132,12 @@ class ReplicaCheck:
         self.grads = torch.stack([self.arrivals.get(k) if k in self.arrivals else fingerprint([t])
                                   for k, t in enumerate(tensors)])
 
+    def reduced_late(self, index: int) -> None:
+        """Bucket ``index`` was reduced after the control (skip_all_reduce_unused_params): its fingerprint is its
+        result's, taken on arrival, not that of the unreduced buffer ``reduced`` saw."""
+        if self.grads is not None and index in self.arrivals:
+            self.grads[index] = self.arrivals[index]
+
     def forget(self) -> None:
         """The group changed (elastic re-formation): the next control carries no previous gradient."""
         self.grads = self.copied = None

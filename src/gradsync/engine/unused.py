@@ -70,6 +70,8 @@ class UnusedBuckets:
             reducer.launcher.launch(b, buckets, reducer.it.record is not None)
             if results is not None:
                 results[b.index] = reducer.launcher.result(b)
+                if reducer.plane.replicas is not None:  # check_replicas took its unreduced buffer: now the result
+                    reducer.plane.replicas.reduced_late(b.index)
         self.unused = frozenset(i for i, c in enumerate(counts) if c == 0) if allowed and self.enabled else None
         self.skipped = frozenset()
         return results
