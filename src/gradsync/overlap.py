@@ -58,8 +58,8 @@ class OverlappedStep:
         _STEPS[id(reducer)] = self
         self._plain_step = optimizer.step
         # an instance attribute (remove() deletes it), bound to the optimizer: torch's LR schedulers re-bind it there
-        optimizer.step, optimizer._gradsync_overlap = types.MethodType(_overlapped_step, optimizer), self
-        self._held_amp = claim_amp_scaling(optimizer)  # a GradScaler then calls step() every time: _step refuses it
+        optimizer.step, optimizer.gradsync_overlap = types.MethodType(_overlapped_step, optimizer), self
+        self._held_amp = claim_amp_scaling(optimizer)  # a GradScaler then calls step() every time: step() refuses it
         reducer.on_bucket_reduced(self._step_bucket)
         process.claim_clip_grad_norm(self)  # refuse clipping after an overlapped step (clip_grad_norm_for)
 
@@ -102,7 +102,8 @@ class OverlappedStep:
                 g["params"] = ps
         self.stepped = last or self.stepped
 
-    def _step(self, closure: Any = None) -> Any:
+    def step(self, closure: Any = None) -> Any:
+        """``optimizer.step()`` under overlap: a no-op after a synced backward stepped every bucket; else it raises."""
         if "found_inf" in self.optimizer.__dict__:  # set by torch's GradScaler.step (claim_amp_scaling)
             raise RuntimeError(
                 "gradsync: overlap_optimizer cannot serve a GradScaler: each bucket stepped inside the synced "
@@ -126,7 +127,7 @@ class OverlappedStep:
             self.reducer.on_bucket_reduced(None)
             _STEPS.pop(id(self.reducer), None)
         self.optimizer.__dict__.pop("step", None)
-        self.optimizer.__dict__.pop("_gradsync_overlap", None)
+        self.optimizer.__dict__.pop("gradsync_overlap", None)
         claim_amp_scaling(self.optimizer, self._held_amp)  # a fused optimizer's own True comes back
         process.release_clip_grad_norm(self)
 
@@ -148,7 +149,7 @@ class OverlappedStep:
 
 
 def _overlapped_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
-    return optimizer._gradsync_overlap._step(closure)
+    return optimizer.gradsync_overlap.step(closure)
 
 
 _STEPS: weakref.WeakValueDictionary[int, OverlappedStep] = weakref.WeakValueDictionary()  # by id(reducer)
