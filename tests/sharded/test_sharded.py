@@ -299,13 +299,18 @@ def misuse(rank, world_size):
     with ours.no_sync():
         ours(x).sum().backward()
     expect("pending", RuntimeError, opt.step)
-    other = gradsync.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1, param_groups=[
-        {"params": [p for p in ours.module.parameters() if p.dim() > 1]},
-        {"params": [p for p in ours.module.parameters() if p.dim() == 1]}])
-    expect("load", ValueError, lambda: other.load_state_dict(opt.state_dict()))
-    ours.module[0].weight.data = ours.module[0].weight.data.clone()  # detached from the flat buffer
+    # a second optimizer's zero_grad would clear the first one's shards before it steps: refused while one lives
+    halves = [{"params": [p for p in ours.module.parameters() if p.dim() > 1]},
+              {"params": [p for p in ours.module.parameters() if p.dim() == 1]}]
+    expect("second", NotImplementedError, lambda: gradsync.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1,
+                                                                             param_groups=halves[1:]))
+    saved = opt.state_dict()
     opt.zero_grad()
+    ours.module[0].weight.data = ours.module[0].weight.data.clone()  # detached from the flat buffer
     expect("moved", RuntimeError, opt.step)
+    del opt  # gone: a new one may take the model over
+    other = gradsync.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1, param_groups=halves)
+    expect("load", ValueError, lambda: other.load_state_dict(saved))
     return errors
 
 
@@ -318,6 +323,7 @@ def test_misuse_raises_clear_errors():
     assert "no_sync" in errors["pending"]
     assert "parameter groups" in errors["load"]
     assert "flat buffers" in errors["moved"]
+    assert "already has a ShardedOptimizer" in errors["second"] and "param_groups" in errors["second"]
 
 
 def diverging(rank, world_size):

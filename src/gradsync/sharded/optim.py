@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 import itertools
-import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -28,6 +27,7 @@ import torch.distributed as dist
 from ..engine.errors import PeerFailure
 from .wrapper import ShardedDataParallel
 from .comm import start_all_gather
+from .regroup import claim_optimizer
 from .prefetch import Gathers
 
 
@@ -79,7 +79,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                             f"{type(prefetch).__name__} {prefetch!r}")
         self.prefetch, self.model = prefetch, model
         self.reducer = reducer = model.reducer
-        store = reducer.store
+        store = claim_optimizer(reducer.store, self)
         self._groups = groups = self._user_groups(param_groups)
         self._optimizer_class, self._kwargs = optimizer_class, kwargs
         # like torch: state is keyed by position in the concatenated groups' parameter lists
@@ -93,7 +93,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
         self._initializing = False
         self._link()
-        store.optimizer = weakref.ref(self)  # a sharded store that re-shards (regroup.py) carries this state along
         if prefetch and store.gathers is None:
             store.gathers = Gathers(reducer)
 

@@ -19,6 +19,8 @@ together take a shard with them: that raises.
 """
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +29,20 @@ import torch.distributed as dist
 
 from ..engine.collectives import deserialized, serialized
 from .comm import fold
+
+
+def claim_optimizer(store: Any, optimizer: Any) -> Any:
+    """Make ``optimizer`` the one ``ShardedOptimizer`` of ``store`` (its ``zero_grad`` clears every shard, and a
+    re-shard carries one optimizer's state along); return the store."""
+    if store.optimizer is not None and store.optimizer() is not None:
+        gc.collect()  # one the user dropped may live on only in a reference cycle
+    if store.optimizer is not None and store.optimizer() is not None:
+        raise NotImplementedError(
+            "gradsync: this ShardedDataParallel model already has a ShardedOptimizer, and a second one's zero_grad() "
+            "would clear the first one's gradient shards before it steps. Give one ShardedOptimizer several "
+            "param_groups (each with its own lr, betas, ...), or drop the first (del it) before building another.")
+    store.optimizer = weakref.ref(optimizer)
+    return store
 
 
 def mirror_shards(store: Any) -> None:
@@ -145,4 +161,4 @@ def reshard(store: Any, group: Any, rank: int, world_size: int, wait: Callable[[
         optimizer.load_state_dict({"state": state["state"], "param_groups": given[0]["options"]})
 
 
-__all__ = ["chosen_shards", "held", "mirror_shards", "pass_on", "reshard"]
+__all__ = ["chosen_shards", "claim_optimizer", "held", "mirror_shards", "pass_on", "reshard"]
