@@ -95,3 +95,16 @@ def test_wrong_dtype_gradient_assigned_by_hand():
         assert kind == "RuntimeError" and "dtype" in message and "double" in message, message
     for kind, message, _ in faults(wrong_dtype_grad, True):  # gradsync names the parameter
         assert kind == "RuntimeError" and "'0.weight'" in message and "torch.float64" in message, message
+
+
+def eval_on_one_rank(rank, world_size):
+    model = gradsync.DDP(mlp(), timeout=TIMEOUT)
+    x, y = batches(1, world_size)[0]
+    shard_backward(model, rank, world_size, x, y)
+    model.train(rank == 0)  # rank 1's next forward is in eval mode, its backward still synchronizes
+    return outcome(lambda: shard_backward(model, rank, world_size, x, y))
+
+
+def test_a_rank_in_eval_mode_is_named_as_a_likely_cause():
+    for kind, message, _ in faults(eval_on_one_rank):
+        assert kind == "SyncError" and "eval mode" in message, (kind, message)

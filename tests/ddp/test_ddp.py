@@ -131,19 +131,23 @@ def test_buffers_are_broadcast_from_rank0_before_each_forward():
 
 def mismatched(rank, world_size, how):
     torch.manual_seed(0)
+    kwargs = {}
     if how == "shape":
         module = nn.Linear(8, 4 if rank == 0 else 5)
-    else:
+    elif how == "count":
         module = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 + (rank == 1))])
+    else:  # options that decide the buckets or the control: a gloo size mismatch (an abort) or a timeout later
+        module = nn.Linear(8, 4)
+        kwargs = {"bucket_cap_mb": 25 if rank == 0 else 0.0005} if how == "caps" else {"find_unused_parameters": rank == 1}
     start = time.monotonic()
     try:
-        gradsync.DDP(module)
+        gradsync.DDP(module, **kwargs)
     except ValueError as exc:
         return str(exc), time.monotonic() - start
     return None, 0.0
 
 
-@pytest.mark.parametrize("how", ["shape", "count"])
+@pytest.mark.parametrize("how", ["shape", "count", "caps", "find_unused"])
 def test_mismatched_models_raise_on_every_rank(how):
     results = run_ranks(mismatched, 2, how, timeout=30)
     for message, elapsed in results:
@@ -152,6 +156,10 @@ def test_mismatched_models_raise_on_every_rank(how):
         assert elapsed < 5
     if how == "shape":
         assert "weight" in results[0][0] and "(5, 8)" in results[0][0]
+    if how == "caps":
+        assert "bucket_cap_mb=0.0005 (rank 0: 25" in results[0][0], results[0][0]
+    if how == "find_unused":
+        assert "find_unused_parameters=True (rank 0: False)" in results[0][0], results[0][0]
 
 
 def no_trainable(rank, world_size):

@@ -55,18 +55,25 @@ def check_group(group: dist.ProcessGroup) -> None:
             "inference, or init_process_group() again and wrap a new model.")
 
 
-def describe(module: nn.Module) -> list[tuple]:
-    """Return what must agree across ranks: (kind, name, shape, dtype, requires_grad) per tensor."""
+# Options that must agree across ranks: they lay out the buckets or shape the end-of-backward control, so ranks
+# that differ would meet collectives of other sizes (gloo aborts the process) or wait for one never issued
+AGREED = ("bucket_cap_mb", "first_bucket_cap_mb", "auto_bucket_cap", "find_unused_parameters",
+          "skip_all_reduce_unused_params", "reduce_dtype", "sharded", "check_replicas", "deterministic")
+
+
+def describe(module: nn.Module, config: Any = None) -> list[tuple]:
+    """Return what must agree across ranks: (kind, name, shape, dtype, requires_grad) per tensor, and
+    ("option", name, value, "", False) per option of ``config`` in ``AGREED``."""
     rows = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
             for n, p in module.named_parameters()]
     rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
-    return rows
+    return rows + ([("option", name, repr(getattr(config, name)), "", False) for name in AGREED] if config else [])
 
 
-def verify_same_model(module: nn.Module, group: dist.ProcessGroup, timeout: timedelta,
+def verify_same_model(module: nn.Module, group: dist.ProcessGroup, config: Any,
                       device: torch.device | None = None) -> None:
-    """Raise on every rank if any rank's parameters or buffers differ from rank 0's."""
-    mine = describe(module)
+    """Raise on every rank if any rank's parameters, buffers or bucket options differ from rank 0's."""
+    mine, timeout = describe(module, config), config.timeout
     # compare digests with a bounded collective; gather the details only on a mismatch
     digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
     digests = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)
@@ -97,6 +104,8 @@ def verify_same_model(module: nn.Module, group: dist.ProcessGroup, timeout: time
 def _first_difference(reference: list[tuple], rows: list[tuple]) -> str:
     for ref, row in zip(reference, rows):
         if ref != row:
+            if ref[0] == row[0] == "option":
+                return f"has {row[1]}={row[2]} (rank 0: {ref[2]}): pass the same options on every rank"
             if ref[1] != row[1]:
                 return f"has {row[0]} '{row[1]}' where rank 0 has {ref[0]} '{ref[1]}'"
             fields = ("shape", "dtype", "requires_grad")

@@ -93,7 +93,8 @@ def phases_out_of_step(phases: list[tuple[int, int, int, int]]) -> str:
     return (f"gradsync: the ranks are out of step: {detail}. A rank skipped a backward (a training "
             "forward with gradients enabled counts as one that needs a backward), skipped a "
             "micro-step, ran a different number of micro-steps in an accumulation window, entered "
-            "no_sync() or called gradsync.audit() when another did not. Detected on every rank before any gradient was applied; "
+            "no_sync() or called gradsync.audit() when another did not, or ran its forward in eval mode (model.eval(): "
+            "not counted as a training forward) while another trained. Detected on every rank before any gradient was applied; "
             "the process group is out of step, restart the job from a checkpoint.")
 
 
