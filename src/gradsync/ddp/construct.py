@@ -61,13 +61,13 @@ AGREED = ("bucket_cap_mb", "first_bucket_cap_mb", "auto_bucket_cap", "find_unuse
           "skip_all_reduce_unused_params", "reduce_dtype", "sharded", "check_replicas", "deterministic")
 
 
-def describe(module: nn.Module, config: Any = None) -> list[tuple]:
+def describe(module: nn.Module, config: Any) -> list[tuple]:
     """Return what must agree across ranks: (kind, name, shape, dtype, requires_grad) per tensor, and
     ("option", name, value, "", False) per option of ``config`` in ``AGREED``."""
     rows = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
             for n, p in module.named_parameters()]
     rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
-    return rows + ([("option", name, repr(getattr(config, name)), "", False) for name in AGREED] if config else [])
+    return rows + [("option", name, repr(getattr(config, name)), "", False) for name in AGREED]
 
 
 def verify_same_model(module: nn.Module, group: dist.ProcessGroup, config: Any,

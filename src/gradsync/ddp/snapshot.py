@@ -116,14 +116,14 @@ def parameters_swapped(module: nn.Module, taken: Snapshot, own: Sequence[torch.T
 def _raise_converted(module: nn.Module, taken: Snapshot) -> None:
     """Raise if a parameter changed dtype or device (module.double() and .to() keep the Parameter objects,
     except to or from meta, and swap their data) or requires_grad (a layer frozen or unfrozen)."""
-    for (name, p), dtype, device in zip(module.named_parameters(), taken.dtypes, taken.devices):
+    for (name, p), dtype, device, was, same in zip(module.named_parameters(), taken.dtypes, taken.devices,
+                                                   taken.requires_grad, taken.params):
         if p.dtype is not dtype or p.device != device:
             raise RuntimeError(
                 f"gradsync: parameter {name!r} changed from {dtype} on {device} to {p.dtype} on "
                 f"{p.device} after the module was wrapped (model.double(), .half(), .to(...)). The "
                 "gradient buckets keep the dtype and device the parameters had at construction; call "
                 "module.to(...) before wrapping it in DistributedDataParallel, or wrap it again.")
-    for (name, p), was, same in zip(module.named_parameters(), taken.requires_grad, taken.params):
         if p is same and p.requires_grad != was:
             raise RuntimeError(
                 f"gradsync: parameter {name!r} was {'frozen' if was else 'unfrozen'} (requires_grad set to "

@@ -68,12 +68,12 @@ class TreeStore(BucketStore):
     def copy_in(self, i: int, divide: bool) -> None:
         """Put the window's tree total into the slot (divided by a power-of-two world size: exact). The
         tree stays until the reduction is written back: a commit protocol may reduce the window again."""
-        if self.reductions is not None and not self.fired[i]:  # no gradient of this rank's in this micro-step
-            if unchanged(self.written[i], self.params[i].grad):
-                self.params[i].grad = None  # the window's total so far: it stays in its reductions
-            else:  # .grad emptied or replaced since (zero_grad): a new window
-                self.reductions[i] = TreeSum()
         if self.reductions is not None:
+            if not self.fired[i]:  # no gradient of this rank's in this micro-step
+                if unchanged(self.written[i], self.params[i].grad):
+                    self.params[i].grad = None  # the window's total so far: it stays in its reductions
+                else:  # .grad emptied or replaced since (zero_grad): a new window
+                    self.reductions[i] = TreeSum()
             self.fired[i] = False
         grad = self.params[i].grad  # the window's only leaf when the tree is empty: it stays, apart from the bucket
         if self.trees[i] or (grad is not None and self.grad_as_view and self._is_slot(i, grad)):
@@ -99,7 +99,11 @@ class TreeStore(BucketStore):
         """overlap_optimizer's ``done(members)``, after those parameters' ``.grad`` became the window's total."""
         if done is None or self.reductions is None:
             return done
-        return lambda members: (self._totals(members, counts), done(members))[1]
+
+        def totals_then_done(members: list[int]) -> None:
+            self._totals(members, counts)
+            done(members)
+        return totals_then_done
 
     def _totals(self, members: Any, counts: list[int]) -> None:
         """``sync_each_batch``: this micro-step's reduction joins the tree of reductions; ``.grad`` is its total."""
