@@ -324,3 +324,27 @@ def test_torchs_compression_wrappers_compress_as_in_torch(wrapper, inner):
         for step, (a, b) in enumerate(zip(theirs, ours)):
             for name in a:
                 assert torch.equal(a[name], b[name]), (step, name)
+
+
+def hooks_that_differ(rank, world_size, case):
+    model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
+    if case == "one_rank" and rank == 0:  # fp16 on the wire against fp32: gloo would abort the process
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    if case == "two_hooks":
+        model.register_comm_hook(None, [default_hooks.allreduce_hook, gradsync.bf16_compress_hook][rank])
+    if case == "fp16_bf16":  # the same bytes on the wire: gloo would add fp16 bits to bf16 bits without a word
+        model.register_comm_hook(None, [gradsync.fp16_compress_hook, gradsync.bf16_compress_hook][rank])
+    x, y = batches(1, world_size)[0]
+    with pytest.raises(gradsync.SyncError) as raised:
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    return str(raised.value)
+
+
+@pytest.mark.parametrize("case", ["one_rank", "two_hooks", "fp16_bf16"])
+def test_ranks_with_different_comm_hooks_raise_on_every_rank_before_a_bucket(case):
+    messages = run_ranks(hooks_that_differ, 2, case, pg_timeout=20)
+    own = {"one_rank": ["fp16_compress_hook", "none"], "two_hooks": ["allreduce_hook", "bf16_compress_hook"],
+           "fp16_bf16": ["fp16_compress_hook", "bf16_compress_hook"]}[case]
+    for rank, message in enumerate(messages):
+        assert "different communication hooks" in message and own[rank] in message, message
+        assert "register_comm_hook" in message

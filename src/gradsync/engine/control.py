@@ -6,9 +6,9 @@ Gradient buckets are the data plane (``launcher.py``). What the ranks must agree
 collectives of different kinds (a buffer broadcast and a bucket all-reduce) never complete: both ranks
 would wait for the group's timeout, 30 minutes by default. So each phase (a training forward's buffer
 broadcast, a synced backward) first all-reduces a header of the same shape on every rank: one row per
-rank, ``[kind, forward count, backward count, payload...]``, each rank writing only its own row. Whatever
-phase each rank is in, the headers pair, every rank learns what the others do, and all raise the same
-diagnosis before issuing anything that could not pair. A slow rank is not an error. A synced backward's
+rank, ``[kind, forward count, backward count, comm hook id, payload...]``, each rank writing only its own
+row. Whatever phase each rank is in, the headers pair, every rank learns what the others do, and all raise
+the same diagnosis before issuing anything that could not pair (a bucket through a hook other ranks lack). A slow rank is not an error. A synced backward's
 payload carries ``PAYLOAD`` float64 values per rank at no extra collective, as int64 bits (exactly): the
 first ``CARRIED`` once (``carry``: the accumulator's item count), the rest every time (``standing``: elastic
 membership's join requests and stop).
@@ -41,7 +41,7 @@ from .. import process
 from .._torch import Future
 from .errors import PeerFailure, SyncError
 from .groups import control_group
-from .messages import foreign_header, out_of_step, phase_mismatch, phases_out_of_step, wait_failed
+from .messages import foreign_header, hooks_differ, out_of_step, phase_mismatch, phases_out_of_step, wait_failed
 
 FORWARD, BACKWARD, AUDIT = 1, 2, 3  # a joined rank shadowing the others writes a row of zeros; AUDIT: audit.py
 PAYLOAD, CARRIED = 6, 4  # float64 slots per rank in a header; the first CARRIED for carry(), the rest standing
@@ -68,14 +68,14 @@ def bounded_wait(handle: Any, timeout: timedelta) -> None:
 
 
 def header_tensor(rank: int, world_size: int, kind: int, forward_count: int, backward_count: int,
-                  device: torch.device | None = None, payload: Sequence[float] = ()) -> torch.Tensor:
-    """Return this rank's header; ``kind=0`` for a rank that takes part without a phase of its own."""
+                  device: torch.device | None = None, payload: Sequence[float] = (), hook: int = 0) -> torch.Tensor:
+    """This rank's header; ``kind=0``: a rank that takes part without a phase of its own; ``hook``: ``hook_id``'s."""
     if len(payload) > PAYLOAD:
         raise ValueError(f"gradsync: a phase header carries at most {PAYLOAD} values, got {len(payload)}")
-    header = torch.zeros(world_size, 3 + PAYLOAD, dtype=torch.int64)
+    header = torch.zeros(world_size, 4 + PAYLOAD, dtype=torch.int64)
     if kind:
         bits = torch.tensor(list(payload) + [0.0] * (PAYLOAD - len(payload)), dtype=torch.float64).view(torch.int64)
-        header[rank] = torch.cat([torch.tensor([kind, forward_count, backward_count]), bits])
+        header[rank] = torch.cat([torch.tensor([kind, forward_count, backward_count, hook]), bits])
     return header.to(device) if device is not None else header
 
 
@@ -162,6 +162,7 @@ class ControlPlane:
         self.protocol: Any = None  # a commit protocol (protocol.py): waits also end when the group broke
         self.times: tuple[int, float, float] | None = None  # (sync, compute us, wait us) for the next control
         self.replicas: Any = None  # check_replicas=True: replicas.ReplicaCheck, its fingerprints ride in the control
+        self.hook: tuple[int, str] = (0, "none")  # the comm hook's id and name, compared in every header
 
     def regroup(self, group: dist.ProcessGroup, rank: int, world_size: int) -> None:
         """Use (the control group for) a new data group; the next header carries the same values."""
@@ -202,12 +203,9 @@ class ControlPlane:
             self.payloads = {0: payload} if payload else None  # a group that shrank to one member
         if self.world_size > 1 and self.headers:
             c = self.counters
-            self.header = header_tensor(self.rank, self.world_size, kind, c.forward, c.backward, self.device, payload)
+            self.header = header_tensor(self.rank, self.world_size, kind, c.forward, c.backward, self.device,
+                                        payload, self.hook[0])
             self.work = dist.all_reduce(self.header, group=self.group, async_op=True)
-
-    @property
-    def header_pending(self) -> bool:
-        return self.work is not None
 
     def check_header(self) -> None:
         """Wait for the pending header; raise on every rank unless all are in the same phase."""
@@ -217,8 +215,10 @@ class ControlPlane:
         self.wait(work, "the phase header")  # a slow rank is fine: this waits the usual bound
         rows = self.header.cpu().tolist()
         check_phases([tuple(r[:3]) for r in rows], rank=self.rank, active=self.active())
+        if len({rows[r][3] for r in self.active()}) > 1:  # before a bucket: a hook's wire would not pair
+            raise SyncError(hooks_differ({r: rows[r][3] for r in self.active()}, self.rank, self.hook[1]))
         if self.kind in (BACKWARD, 0):  # 0: a joined rank reads what the active ranks carried (shadow.py)
-            values = self.header[:, 3:].cpu().contiguous().view(torch.float64).tolist()
+            values = self.header[:, 4:].cpu().contiguous().view(torch.float64).tolist()
             self.payloads = {r: tuple(values[r]) for r in self.active()}
 
     def exchange_header(self, kind: int) -> None:

@@ -21,6 +21,7 @@ from .. import process
 from .._torch import Future
 from .bucket import slot
 from .control import ControlPlane
+from .messages import hook_id
 from .store import Bucket
 
 CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
@@ -113,6 +114,7 @@ class BucketLauncher:
 
     def set_hook(self, hook: CommHook | None, state: Any) -> None:
         self.hook, self.state = hook, state
+        self.plane.hook = hook_id(hook)  # every header compares it: a hook on some ranks only raises there
 
     def rewind(self) -> None:
         """Before the window is reduced again: the hook's state as the synced backward began. Only a state whose

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Sequence
+from typing import Any
 
 _ERRORS = itertools.count()  # orders the errors a wrapper's parts log (the latest one is reported)
 
@@ -83,6 +85,24 @@ def foreign_header(rows: list[tuple[int, int, int]], *, rank: int, active: Seque
             f"rank (headers {[list(r) for r in rows]}, active ranks {list(active)}): the ranks ran "
             "different sequences of collectives, e.g. one is in model.join() or in a collective of "
             "its own. The process group is out of step; restart the job from a checkpoint.")
+
+
+def hook_id(hook: Any) -> tuple[int, str]:
+    """A comm hook's id for the phase header (0: none) and its name, the same on every rank for the same hook."""
+    if hook is None:
+        return 0, "none"
+    fn = getattr(hook, "func", hook)  # functools.partial
+    name = f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', type(fn).__qualname__)}"
+    return zlib.crc32(name.encode()) + 1, name
+
+
+def hooks_differ(ids: dict[int, int], rank: int, name: str) -> str:
+    """``ids``: each active rank's hook id; ``name``: this rank's hook."""
+    others = ", ".join(f"rank {r}: {'none' if i == 0 else 'the same' if i == ids[rank] else 'another'}"
+                       for r, i in ids.items() if r != rank)
+    return (f"gradsync: the ranks registered different communication hooks: rank {rank} runs {name} ({others}). "
+            "Call register_comm_hook with the same hook on every rank before the first backward. Detected on every "
+            "rank before any bucket was reduced; no gradient was applied.")
 
 
 def phases_out_of_step(phases: list[tuple[int, int, int, int]]) -> str:

@@ -47,10 +47,10 @@ def _compress_hook(dtype: torch.dtype):
 
 
 fp16_compress_hook = _compress_hook(torch.float16)
-fp16_compress_hook.__name__ = "fp16_compress_hook"
+fp16_compress_hook.__name__ = fp16_compress_hook.__qualname__ = "fp16_compress_hook"
 fp16_compress_hook.__doc__ = "Reduce the bucket in float16 (half the bytes) and write the average back."
 bf16_compress_hook = _compress_hook(torch.bfloat16)
-bf16_compress_hook.__name__ = "bf16_compress_hook"
+bf16_compress_hook.__name__ = bf16_compress_hook.__qualname__ = "bf16_compress_hook"
 bf16_compress_hook.__doc__ = (
     "Reduce the bucket in bfloat16 (half the bytes, fp32's range) and write the average back."
 )
