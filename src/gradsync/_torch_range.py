@@ -33,7 +33,7 @@ def untested_message(version: str) -> str | None:
         return None
     low, high = (".".join(map(str, v)) for v in (TESTED_MIN, TESTED_MAX))
     return (f"gradsync was tested with torch {low} to {high}.x; this is torch {version}. It may still "
-            f"work, but it is untested: gradsync uses private torch APIs (gradsync/core/_torch.py) that "
+            f"work, but it is untested: gradsync uses private torch APIs (gradsync/_torch.py) that "
             f"can change between releases. Run gradsync's test suite on this torch to check.")
 
 

@@ -273,16 +273,18 @@ def test_a_stateful_hook_is_rewound_when_a_synced_backward_fails():
     assert_close_dicts(failed[0][0], reference(fails, "mean", 3, False), atol=0.05, rtol=0.05)  # and it trains
 
 
-def fails_while_syncing(rank, world_size, options):
+def fails_while_syncing(rank, world_size, options, plan):
     from helpers import outcome
-    return outcome(lambda: train(rank, world_size, {(0, 2, 0): "backward"}, "mean", False,
-                                 {"timeout": 60, **options}))
+    return outcome(lambda: train(rank, world_size, plan, "mean", False, {"timeout": 60, **options}))
 
 
 @pytest.mark.parametrize("options", [{"sync_each_batch": True}])
-def test_a_failed_synced_backward_that_cannot_be_redone_raises_on_every_rank_at_once(options):
+@pytest.mark.parametrize("plan", [{(0, 2, 0): "backward"},
+                                  # its own micro-steps skipped: the window still holds the other's synced ones
+                                  {(0, 0, 0): "forward", (0, 1, 0): "skip", (0, 2, 0): "backward"}])
+def test_a_failed_synced_backward_that_cannot_be_redone_raises_on_every_rank_at_once(options, plan):
     # the failed rank flags itself in the control: no rank waits for the 60 s timeout
-    for kind, message, seconds in faults(fails_while_syncing, options):
+    for kind, message, seconds in faults(fails_while_syncing, options, plan):
         assert kind == "SyncError" and "failed part-way" in message and "zero_grad" in message, message
         assert seconds < 30
 

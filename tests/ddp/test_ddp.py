@@ -1,4 +1,5 @@
 """Core engine: equivalence with one process and with torch's DDP, no_sync, buffers, bad input."""
+import copy
 import time
 
 import pytest
@@ -64,6 +65,36 @@ def against_torch_ddp(rank, world_size, steps):
 def test_matches_torch_ddp_in_the_same_process_group(world_size):
     for ours, theirs in run_ranks(against_torch_ddp, world_size, 5):
         assert_close_dicts(ours, theirs, atol=1e-6)
+
+
+def torchs_bits(rank, world_size, view, set_to_none, local):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 1))
+    ours = gradsync.DDP(copy.deepcopy(net), gradient_as_bucket_view=view)
+    theirs = nn.parallel.DistributedDataParallel(copy.deepcopy(net), gradient_as_bucket_view=view)
+    pairs = [(m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)) for m in (ours, theirs)]
+    differ = []
+    for step, (x, y) in enumerate(batches(5, world_size, per_rank=4)):
+        xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+        for model, opt in pairs:
+            opt.zero_grad(set_to_none=set_to_none)
+            if local:
+                with model.no_sync():
+                    F.mse_loss(model(xs), ys).backward()
+            F.mse_loss(model(xs.flip(0)), ys.flip(0)).backward()
+            if step > 0:  # the first backward sums in the first layout, not torch's (differences.md)
+                opt.step()
+        differ.append(sum(int((a.grad != b.grad).sum()) for a, b in zip(ours.parameters(), theirs.parameters())))
+    return differ, params(ours.module), params(theirs.module)
+
+
+@pytest.mark.parametrize("view,set_to_none,local", [(False, True, True), (True, True, False), (True, False, True)])
+def test_three_ranks_average_to_torchs_bits(view, set_to_none, local):
+    """torch's reducer scales a gradient it copies in by 1 / W and divides one that already is its view by W; at W=3
+    x / 3 and x * (1 / 3) differ in the last bit for about a third of the values (differences.md)."""
+    for differ, ours, theirs in run_ranks(torchs_bits, 3, view, set_to_none, local):
+        assert differ[1:] == [0] * 4, differ
+        assert all(torch.equal(ours[name], theirs[name]) for name in ours)
 
 
 def accumulate(rank, world_size, form, micro_steps):

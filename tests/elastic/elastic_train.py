@@ -126,6 +126,8 @@ def main() -> None:
     parser.add_argument("--scaler", action="store_true", help="--sharded: gradsync.ShardedGradScaler with a fixed "
                         "power-of-two scale (exact); its unscale_ comes after the optimizer_step point, so a kill there is "
                         "found in its all-reduce")
+    parser.add_argument("--skip", action="append", default=[], help="REPLICA,WINDOW,MICRO_STEP: that replica skips "
+                        "that micro-step (acc.skip)")
     parser.add_argument("--delay", action="store_true", help="delay_all_reduce_named_params: the last layer's")
     parser.add_argument("--spare", action="store_true", help="a parameter the forward never uses")
     parser.add_argument("--audit", action="store_true", help="gradsync.audit after each window's step (point audit: "
@@ -265,6 +267,8 @@ def main() -> None:
             if acc.is_boundary and gradsync.elastic.stopping(acc):  # SIGUSR1: every member stops here
                 break
             with acc.accumulate():  # a replica that joins gets the members' state here
+                if f"{me},{acc.windows - 1},{acc.micro_step}" in args.skip:
+                    acc.skip("drill")
                 yield acc.windows - 1, acc.micro_step, *micro_batch(me, acc.windows - 1, acc.micro_step, args.items)
 
     for w, k, x, y in micro_steps():

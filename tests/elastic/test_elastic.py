@@ -38,8 +38,9 @@ def launch(tmp_path: Path, *script_args: str, replicas: int = 3, min_replicas: i
 def reference(events: list[dict], replicas: int, *, items: bool = False, steps: int = STEPS,
               buffers: bool = False, windows: int = WINDOWS, initial: int | None = None,
               bf16: bool = False, width: int = 16, adamw: bool = False, clip: bool = False,
-              spare: bool = False) -> list[torch.Tensor]:
-    """One process trained on what was kept: replica r's micro-steps up to the window it left in."""
+              spare: bool = False, skipped: tuple = ()) -> list[torch.Tensor]:
+    """One process trained on what was kept: replica r's micro-steps up to the window it left in, but those in
+    ``skipped`` ((replica, window, micro-step))."""
     net = build_model(buffers, width, spare)
     if bf16:
         return bf16_reference(events, replicas, net.bfloat16(), steps, adamw=adamw, windows=windows)
@@ -49,7 +50,7 @@ def reference(events: list[dict], replicas: int, *, items: bool = False, steps: 
         for e in events:
             if e["window"] <= w:
                 members = (members - set(e["left"])) | set(e["joined"])
-        kept = [(r, k) for r in sorted(members) for k in range(steps)]
+        kept = [(r, k) for r in sorted(members) for k in range(steps) if (r, w, k) not in skipped]
         batches = [micro_batch(r, w, k, items) for r, k in kept]
         if items:
             total = sum(x.shape[0] for x, _ in batches)
@@ -145,6 +146,18 @@ def test_kill_before_the_commit_drops_the_window_of_the_dead_replica(tmp_path, p
 def test_kill_after_the_commit_keeps_the_window_of_the_dead_replica(tmp_path, point):
     proc = launch(tmp_path, "--victim", "1", "--window", "1", "--point", point)
     check_run(tmp_path, proc, victim=1, window=2)
+
+
+@pytest.mark.parametrize("point", ["after_commit", "optimizer_step"])
+def test_a_skip_in_the_window_a_replica_dies_after_committing_is_kept_too(tmp_path, point):
+    """The window's skip records are gathered after the commit: the victim is gone then, and the survivors gather
+    them again among themselves."""
+    proc = launch(tmp_path, "--victim", "1", "--window", "1", "--point", point, "--skip", "0,1,0")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first = agreeing(survivors(tmp_path), [0, 2], proc.stderr)
+    assert [(e["window"], e["left"]) for e in first["events"]] == [(2, [1])]
+    for got, ref in zip(first["params"], reference(first["events"], 3, skipped={(0, 1, 0)})):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
 def test_a_replica_stopped_under_gradsync_run_is_killed_by_its_launcher_and_left_out(tmp_path):

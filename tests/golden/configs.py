@@ -16,8 +16,9 @@ Why the numbers cannot depend on the CPU model (AVX2 vs AVX-512, BLAS blocking, 
 - Data, ``C`` and initial parameters are multiples of 1/8 in [-2, 2] (exact in bf16 too).
 - Plain SGD with lr = 2**-4, no momentum, ``foreach=False``: ``p.add_(g, alpha=-lr)`` where
   ``-lr * g`` is exact, so FMA or not gives the same single rounding.
-- Averaging divides by the world size (one correctly rounded op); gloo sums in the order its
-  algorithm and the bucket layout fix, which is exactly what the golden pins.
+- Averaging scales a copied gradient by 1 / W and divides a ``.grad`` that already was its view by W, as
+  torch's reducer (each a correctly rounded op); gloo sums in the order its algorithm and the bucket
+  layout fix, which is exactly what the golden pins.
 - One intra-op thread per rank (``run_ranks`` sets it), so no reduction is split across threads.
 Checked when the golden was made: the same bits under ATEN_CPU_CAPABILITY=avx512, avx2 and default
 (under default, an FMA ``add(alpha=0.1)``, a 64-row sum and a small matmul all change bits).

@@ -205,8 +205,9 @@ class GradientAccumulator(WindowClose):
         # before the stand-in's synced backward, whose header carries it
         carried = self._carry(self._units, float(self._items) if self._items is not None else 0.0)
         try:
-            # with sync_each_batch the window already holds synced gradients after its first micro-step
-            again = not (self.sync_each_batch and len(self._ran) > 0)
+            # with sync_each_batch the window holds synced gradients after its first micro-step, on every rank:
+            # also where this rank skipped them all (a stand-in synced with the others)
+            again = not (self.sync_each_batch and self._position > 1)
             status = self._target.stand_in(self._mark, self.sync_gradients, again) if self._target is not None \
                 else ("dropped" if self._started else "replayed")
         except SyncError as failed:  # a synced backward failed part-way and could not be reduced again

@@ -92,9 +92,11 @@ class WindowClose(Windows):
             return []
         if self._target is None or self._world_size == 1:
             return [(0, step, reason) for step, reason in self._records]
-        group, device = self._target.control_group()
-        return exchange_records(self._records, rank=dist.get_rank(group), world_size=self._world_size,
-                                group=group, device=device, wait=self._target.wait)
+        def exchange() -> list[tuple[int, int, str]]:  # in the group of the moment: a member may leave inside it
+            group, device = self._target.control_group()
+            return exchange_records(self._records, rank=dist.get_rank(group), world_size=self._world_size,
+                                    group=group, device=device, wait=self._target.wait)
+        return self._target.after_commit("the skip records", exchange)
 
     def _scale(self, factor: float) -> None:
         if factor == 1.0:

@@ -181,6 +181,6 @@ def average_over_active_ranks(join: DDPJoinHook, bucket: Any) -> torch.futures.F
     reducer = join.ddp.reducer
     active = reducer.plane.active_ranks
     buffer = bucket.buffer()
-    buffer.div_(len(active) if active else reducer.world_size)  # divide first: keeps sums in range
+    buffer.mul_(1.0 / (len(active) if active else reducer.world_size))  # first: keeps sums in range; torch scales
     return dist.all_reduce(buffer, group=reducer.group, async_op=True).get_future().then(
         lambda fut: fut.value()[0])

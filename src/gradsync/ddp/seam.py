@@ -58,6 +58,10 @@ class SyncTarget(Protocol):
     def failed_ranks(self) -> list[int]:
         """Ranks whose latest synced backward failed part-way and were reduced as contributing nothing."""
 
+    def after_commit(self, what: str, exchange: Callable[[], Any]) -> Any:
+        """Run ``exchange()`` (the layer's own collectives, named ``what``) after the synced backward's commit; where
+        members may leave (``gradsync.elastic``) and one does inside it, the survivors re-form and run it again."""
+
 
 @runtime_checkable
 class ReducerView(Protocol):

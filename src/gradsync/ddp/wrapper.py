@@ -25,6 +25,7 @@ from ..engine.config import ReducerConfig
 from ..engine.control import FORWARD
 from ..engine.errors import PeerFailure, SyncError
 from ..engine.launcher import CommHook
+from ..engine.protocol import after_commit
 from ..engine.reducer import Reducer
 from . import guard, torch_extras
 from .compile import active_ddp, bucket_bytes_caps, skip_wrapper_frames
@@ -186,8 +187,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Ranks whose latest synced backward failed part-way (their window was reduced as nothing)."""
         return list(self.reducer.failed_ranks)
 
-    def broadcast_buffers_from(self, src_rank: int) -> None:
-        self.broadcast_tensors(list(self.module.buffers()), src_rank)
+    def after_commit(self, what: str, exchange: Callable[[], Any]) -> Any:
+        """Run a layer's own collectives after the synced backward's commit (``protocol.after_commit``)."""
+        return after_commit(self.reducer, what, exchange)
 
     def will_broadcast_buffers(self) -> bool:
         # every training forward (no_sync too); eval and no_grad forwards skip it: local evaluation, no collective
@@ -270,8 +272,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         return None if auto is None or auto.choice is None else auto.choice.as_dict()
 
     def carry_with_next_sync(self, values: Sequence[float]) -> Callable[[], dict[int, tuple]] | None:
-        """Send ``values`` in the next synced backward's phase header (no collective of its own); return a
-        reader of the active ranks' values by rank, or None if headers are off (exchange them yourself)."""
+        """Send ``values`` in the next synced backward's header; return their reader (None: headers are off)."""
         plane = self.reducer.plane
         return plane.carry(values) if plane.headers else None
 
@@ -319,8 +320,7 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _log_and_throw(self, err_type: type[Exception], err_msg: str) -> NoReturn:
         raise torch_extras.log_error(self, err_type(err_msg))
 
-    def _log_error(self, exc: Exception) -> Exception:
-        return torch_extras.log_error(self, exc)
+    _log_error = torch_extras.log_error
 
     def _get_ddp_logging_data(self) -> dict[str, Any]:
         return torch_extras.logging_data(self)

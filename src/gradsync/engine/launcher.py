@@ -140,7 +140,7 @@ class BucketLauncher:
         if bucket.wire is not None:  # the window stays in the buffer: reduce its average's copy (keep_window_apart)
             buffer, views = bucket.wire, bucket.wire_views
             if self.divides_on_copy:
-                torch.div(bucket.buffer, self.group.size(), out=buffer)
+                torch.mul(bucket.buffer, 1.0 / self.group.size(), out=buffer)  # as the store (bucket.average)
             else:
                 buffer.copy_(bucket.buffer)
         bucket.handle = self.issue(bucket.index, buffer, views, bucket.members, previous, bucket.index == len(buckets) - 1)

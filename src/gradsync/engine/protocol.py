@@ -160,4 +160,22 @@ class Attachment:
             r.layout.replan(r.layout.order(), tuple(state["caps"]))
 
 
-__all__ = ["Attachment", "CommitProtocol", "attach"]
+def after_commit(reducer: Any, what: str, exchange: Callable[[], Any]) -> Any:
+    """Run ``exchange`` (a layer's own collectives after the synced backward's commit, e.g. the accumulator's skip
+    records) and return its result. Under a commit protocol every member then votes that it finished them; where a
+    member left inside them, the survivors re-form (the committed window is kept) and run them again."""
+    while True:
+        attached = reducer.attached
+        try:
+            result = exchange()
+            if attached is None or attached.agree(what):
+                return result
+            failure: BaseException = PeerFailure(f"gradsync: a member did not finish {what}")
+        except (RuntimeError, dist.DistError) as exc:  # SyncError and PeerFailure too
+            if attached is None:
+                raise
+            failure = exc
+        attached.recover(failure)
+
+
+__all__ = ["Attachment", "CommitProtocol", "after_commit", "attach"]

@@ -74,7 +74,7 @@ def stand_in(ddp: Any, start: Mark, sync: bool, again: bool = True) -> str:
     if (c.forward == start.forward and r.plane.headers_sent == start.headers and ddp.will_broadcast_buffers()
             and next(ddp.module.buffers(), None) is not None):
         r.plane.exchange_header(FORWARD)  # the forward (or its broadcast) did not run here
-        ddp.broadcast_buffers_from((r.plane.active_ranks or [0])[-1])  # inside join(): the highest active rank
+        ddp.broadcast_tensors(list(ddp.module.buffers()), (r.plane.active_ranks or [0])[-1])  # join(): highest active
     if c.forward == start.forward:
         c.forward += int(ddp.module.training)  # as the others' training forward counted
     c.pending = min(c.pending, start.pending)  # a forward without its backward

@@ -19,7 +19,7 @@ from .checks import Graphs, check_grad, fit, is_view_of
 from .config import Caps
 from .layout import plan_buckets
 from .main_grad import MainGrads
-from .._torch import foreach_copy_, foreach_div_
+from .._torch import foreach_copy_
 
 
 class BucketStore:
@@ -120,22 +120,22 @@ class BucketStore:
         if self.main is not None:
             self.main.copy_in(i, divide)
             return
-        now = False  # divided on its way in
+        now = kept = False  # averaged on its way in; already .grad (averaged in place later)
         if grad is None:
             view.zero_()
-        elif self.grad_as_view and self._is_slot(i, grad):  # divided in place later
-            pass
+        elif self.grad_as_view and self._is_slot(i, grad):
+            kept = True
         else:
             check_grad(grad, view, self.names[i])
             if divide and view.numel() >= SMALL_SLOT:
-                torch.div(grad, self.world_size, out=view)
+                torch.mul(grad, 1.0 / self.world_size, out=view)  # torch's reducer scales a copy by 1 / W
                 now = True
             else:
                 view.copy_(grad)
             if self.grad_as_view:
                 self.params[i].grad = view
         if divide:
-            self._divide_when_complete(self.buckets[self.bucket_of[i]], view, now, grad is None)
+            self.buckets[self.bucket_of[i]].count_in(view, self.world_size, now, grad is None, kept)
 
     def copy_in_bucket(self, bucket: Bucket, divide: bool) -> None:
         """``copy_in`` for every member of a complete bucket, the small gradients in one call (a call each: slow)."""
@@ -151,35 +151,17 @@ class BucketStore:
                  else range(len(members)))  # with views, .grad may already be its slot
         large = {k for k in fresh if k in bucket.large} if divide and bucket.large else set()
         for k in large:  # divided on their way in: one pass over their memory
-            torch.div(grads[k], self.world_size, out=views[k])
+            torch.mul(grads[k], 1.0 / self.world_size, out=views[k])
         small = [k for k in fresh if k not in large] if large else fresh
         if small:
             foreach_copy_([views[k] for k in small], [grads[k] for k in small])
         if self.grad_as_view:
             for k in fresh:
                 self.params[members[k]].grad = views[k]
-        if divide and not large:
-            bucket.buffer.div_(self.world_size)
-        elif divide and len(large) < len(members):
-            foreach_div_([v for k, v in enumerate(views) if k not in large], self.world_size)
-
-    def _divide_when_complete(self, bucket: Bucket, view: torch.Tensor, divided: bool, zero: bool) -> None:
-        """Count a member in; once all are, divide what was not divided on the way: the whole buffer
-        when nothing was, else the slots left (zeroed slots need nothing)."""
-        if bucket.copied == 0:  # a new round: forget what an interrupted one left
-            bucket.divided, bucket.undivided = 0, []
-        bucket.copied += 1
-        if divided:
-            bucket.divided += 1
-        elif not zero:
-            bucket.undivided.append(view)
-        if bucket.copied < len(bucket.members):
-            return
-        if bucket.divided == 0:
-            bucket.buffer.div_(self.world_size)
-        elif bucket.undivided:
-            foreach_div_(bucket.undivided, self.world_size)
-        bucket.copied, bucket.divided, bucket.undivided = 0, 0, []
+        if divide:
+            copied = set(fresh) if len(fresh) < len(members) else None  # with views: the others already were .grad
+            bucket.average(self.world_size, [views[k] for k in small] if large or copied else None,
+                           [v for k, v in enumerate(views) if k not in copied] if copied is not None else [])
 
     def keep_local(self, i: int) -> None:
         """Unsynced backward: keep parameter ``i``'s gradient for the next synced one (with views, in its slot)."""
@@ -316,7 +298,7 @@ class BucketStore:
     def reset(self) -> None:
         """The last backward raised before its end: drop what it left in flight."""
         for b in self.buckets:
-            b.copied, b.divided, b.undivided = 0, 0, []
+            b.copied, b.divided, b.unscaled, b.undivided = 0, 0, [], []
 
     def release(self) -> None:
         """The wrapper is gone."""
