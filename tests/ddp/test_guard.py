@@ -275,3 +275,34 @@ def regrouped(rank, world_size):
 
 def test_a_replaced_parameter_list_at_the_same_address_is_checked_again():
     run_ranks(regrouped, 2)
+
+
+def collected_during_the_walk(rank, world_size):
+    from gradsync import process
+    model = gradsync.ShardedDataParallel(mlp(seed=0))  # an exclusive store: the guard walks it at every step
+    model.cycle = model  # only a collection frees it; its finalizer then takes its reducer out of the guard's sets
+    del model
+
+    class Collecting:  # a reducer whose parameters' walk runs a collection, as any allocation may
+        @property
+        def params(self):
+            gc.collect()
+            return []
+    reducer = Collecting()
+    process.state.guard_exclusive.add(reducer)
+    process.state.guard_version += 1
+    try:
+        torch.optim.SGD(mlp(seed=1).parameters(), lr=0.1).step()
+    finally:
+        process.state.guard_exclusive.discard(reducer)
+    return True
+
+
+def test_a_wrapper_collected_while_the_guard_walks_its_reducers_does_not_break_the_step():
+    """Seen as "RuntimeError: Set changed size during iteration" from optimizer.step() when a collection ran inside
+    the guard's walk of its weak sets."""
+    gc.disable()  # the forked ranks: only the collection inside the walk frees the model
+    try:
+        assert run_ranks(collected_during_the_walk, 2) == [True, True]
+    finally:
+        gc.enable()

@@ -87,6 +87,12 @@ def _ids_of(reducer: Any) -> frozenset:
     return ids
 
 
+def alive(reducers: weakref.WeakSet) -> list:
+    """The set's live members, its references copied in one C call: a wrapper's finalizer (``forget``), run by a
+    collection during a Python-level walk of the set, would change it under the walk ("Set changed size")."""
+    return [r for r in (ref() for ref in tuple(reducers.data)) if r is not None]
+
+
 def _entry(optimizer: torch.optim.Optimizer) -> list:
     """[signature, parameter ids, version, exclusive reducers touched, touched by a known reducer], cached."""
     groups = optimizer.param_groups
@@ -104,8 +110,8 @@ def _entry(optimizer: torch.optim.Optimizer) -> list:
         except TypeError:
             pass
     if entry[2] != state.guard_version:
-        entry[3] = tuple(weakref.ref(r) for r in state.guard_exclusive if not _ids_of(r).isdisjoint(entry[1]))
-        entry[4] = any(not _ids_of(r).isdisjoint(entry[1]) for r in list(state.guard_known))
+        entry[3] = tuple(weakref.ref(r) for r in alive(state.guard_exclusive) if not _ids_of(r).isdisjoint(entry[1]))
+        entry[4] = any(not _ids_of(r).isdisjoint(entry[1]) for r in alive(state.guard_known))
         entry[2] = state.guard_version
     return entry
 
@@ -130,7 +136,7 @@ def _check_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
 
 
 def _check(optimizer: torch.optim.Optimizer) -> None:
-    unsynced = [r for r in list(state.guard_known) if r.unsynced]
+    unsynced = [r for r in alive(state.guard_known) if r.unsynced]
     if not (unsynced or state.guard_exclusive):
         return
     _, ids, _, touched, _ = _entry(optimizer)
