@@ -160,8 +160,11 @@ class BucketStore:
                 self.params[members[k]].grad = views[k]
         if divide:
             copied = set(fresh) if len(fresh) < len(members) else None  # with views: the others already were .grad
-            bucket.average(self.world_size, [views[k] for k in small] if large or copied else None,
-                           [v for k, v in enumerate(views) if k not in copied] if copied is not None else [])
+            if not large and copied is None:  # bucket.average's first case, here: a file fewer on the trip
+                bucket.buffer.mul_(1.0 / self.world_size)
+            else:
+                bucket.average(self.world_size, [views[k] for k in small] if large or copied else None,
+                               [v for k, v in enumerate(views) if k not in copied] if copied is not None else [])
 
     def keep_local(self, i: int) -> None:
         """Unsynced backward: keep parameter ``i``'s gradient for the next synced one (with views, in its slot)."""
