@@ -88,7 +88,8 @@ def torchs_bits(rank, world_size, view, set_to_none, local):
     return differ, params(ours.module), params(theirs.module)
 
 
-@pytest.mark.parametrize("view,set_to_none,local", [(False, True, True), (True, True, False), (True, False, True)])
+@pytest.mark.parametrize("view,set_to_none,local", [(False, True, True), (True, True, False), (True, True, True),
+                                                   (True, False, True)])
 def test_three_ranks_average_to_torchs_bits(view, set_to_none, local):
     """torch's reducer scales a gradient it copies in by 1 / W and divides one that already is its view by W; at W=3
     x / 3 and x * (1 / 3) differ in the last bit for about a third of the values (differences.md)."""

@@ -112,10 +112,10 @@ def count_passes(rank, world_size, view, set_to_none, width=48):
 def test_views_average_without_a_pass_of_their_own(set_to_none):
     ops, n, buckets, big = run_ranks(count_passes, 2, True, set_to_none)[0]
     ops.pop("add_.Tensor", None)  # autograd accumulating into an existing .grad
-    assert big == 0  # every slot small: divided with its bucket, one division per bucket
-    if set_to_none:  # a fresh .grad: one copy into the bucket per parameter (one call per bucket), nothing else
-        assert ops == {"_foreach_copy_.default": n, "div_.Tensor": buckets}, ops
-    else:  # .grad already is the bucket view: one in-place division per bucket
+    assert big == 0  # every slot small: averaged with its bucket, one op per bucket
+    if set_to_none:  # a fresh .grad: one copy into the bucket per parameter (one call per bucket), scaled by 1 / W
+        assert ops == {"_foreach_copy_.default": n, "mul_.Tensor": buckets}, ops
+    else:  # .grad already is the bucket view: one in-place division per bucket (as torch's reducer)
         assert ops == {"div_.Tensor": buckets}, ops
 
 
@@ -123,17 +123,17 @@ def test_large_slots_divide_on_their_one_copy_in():
     ops, n, buckets, big = run_ranks(count_passes, 2, True, True, 128)[0]
     ops.pop("add_.Tensor", None)
     assert 0 < big < n and buckets < n  # a bucket holds a weight and a bias: the bias is divided alone
-    assert ops["div.out"] == big and ops["_foreach_copy_.default"] == n - big, ops  # each slot written once
-    # the small ones: a whole-bucket division where the bucket has no large slot, else one call for them
-    assert set(ops) <= {"div.out", "_foreach_copy_.default", "div_.Tensor", "_foreach_div_.Scalar"}, ops
-    assert ops.get("div_.Tensor", 0) <= buckets and ops.get("_foreach_div_.Scalar", 0) <= n - big, ops
+    assert ops["mul.out"] == big and ops["_foreach_copy_.default"] == n - big, ops  # each slot written once
+    # the small ones: a whole-bucket scaling where the bucket has no large slot, else one call for them
+    assert set(ops) <= {"mul.out", "_foreach_copy_.default", "mul_.Tensor", "_foreach_mul_.Scalar"}, ops
+    assert ops.get("mul_.Tensor", 0) <= buckets and ops.get("_foreach_mul_.Scalar", 0) <= n - big, ops
 
 
 def test_without_views_one_divided_copy_in_and_one_copy_back():
     ops, n, buckets, big = run_ranks(count_passes, 2, False, False)[0]
     ops.pop("add_.Tensor", None)
     # copied in one call per bucket (the per-tensor count is the dispatch mode's), back in one call
-    assert ops == {"div_.Tensor": buckets, "_foreach_copy_.default": 2 * n}, ops
+    assert ops == {"mul_.Tensor": buckets, "_foreach_copy_.default": 2 * n}, ops
 
 
 # ---------------------------------------------------------------- a local backward's new gradients, per bucket

@@ -52,8 +52,8 @@ class Bucket:
         """Average the slots not averaged on the way in as torch's reducer does, for its bits at any world size: a
         copied gradient times 1 / W, a ``.grad`` that already was its slot divided by W. ``copied`` None: every slot
         not ``kept`` (the whole buffer, where none is)."""
-        if copied is None and not kept:
-            self.buffer.mul_(1.0 / world_size)
+        if copied is None and len(kept) in (0, len(self.views)):  # one pass over the buffer
+            self.buffer.mul_(1.0 / world_size) if not kept else self.buffer.div_(world_size)
             return
         if copied is None:
             copied = [v for v in self.views if all(v is not k for k in kept)]

@@ -99,6 +99,7 @@ def lend_views(store: Any, grads: list[torch.Tensor | None], small: list[bool]) 
     else:
         foreach_zero_(list(compress(views, lent)))
     deque(map(setattr, compress(params, lent), repeat("grad"), compress(views, lent)), 0)
+    store.lent.update(compress(range(len(params)), lent))  # averaged as copied: torch's .grad is autograd's
     if fresh:
         buckets = {store.bucket_of[i]: store.buckets[store.bucket_of[i]] for i in fresh}
         for i in fresh:

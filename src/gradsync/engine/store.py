@@ -45,6 +45,7 @@ class BucketStore:
         self.buckets: list[Bucket] = []
         self.views: list[torch.Tensor] = []
         self.view_ptrs: list[int] = []  # each view's data_ptr(): is ``.grad`` the view (is_view_of), read once
+        self.lent: set[int] = set()  # .grad made its view by a local backward, where torch's is autograd's tensor
         self.bucket_of = [0] * len(params)
         self._build(plan_buckets(params, *caps))
         self.main, self.graphs = None, Graphs()
@@ -124,7 +125,8 @@ class BucketStore:
         if grad is None:
             view.zero_()
         elif self.grad_as_view and self._is_slot(i, grad):
-            kept = True
+            kept = i not in self.lent  # averaged as torch averages its .grad: autograd's own tensor where lent
+            self.lent.discard(i)
         else:
             check_grad(grad, view, self.names[i])
             if divide and view.numel() >= SMALL_SLOT:
@@ -160,6 +162,13 @@ class BucketStore:
                 self.params[members[k]].grad = views[k]
         if divide:
             copied = set(fresh) if len(fresh) < len(members) else None  # with views: the others already were .grad
+            if self.lent:  # a lent view counts as copied: torch's .grad was autograd's own tensor
+                if copied is not None:
+                    lent = {k for k, i in enumerate(members) if i in self.lent}
+                    small, copied = [k for k in range(len(members)) if k in lent or k in copied and k not in large], \
+                        copied | lent
+                    copied = None if len(copied) == len(members) else copied
+                self.lent.difference_update(members)
             if not large and copied is None:  # bucket.average's first case, here: a file fewer on the trip
                 bucket.buffer.mul_(1.0 / self.world_size)
             else:
@@ -176,6 +185,7 @@ class BucketStore:
             check_grad(grad, self.views[i], self.names[i])
             self.views[i].copy_(grad.detach())
             self.params[i].grad = self.views[i]
+            self.lent.add(i)
 
     def local_ready(self, i: int) -> None:
         """``keep_local`` counted per bucket (the hooks' path with views): a complete bucket adopts its views."""
@@ -204,6 +214,7 @@ class BucketStore:
                 foreach_copy_(views, grads)
                 for i, view in zip(fresh, views):
                     params[i].grad = view
+            self.lent.update(fresh)
 
     def _is_slot(self, i: int, grad: torch.Tensor) -> bool:
         """``is_view_of(grad, self.views[i])``, from the view's data pointer read once at the build."""
