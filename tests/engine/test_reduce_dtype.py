@@ -191,3 +191,28 @@ def test_the_models_zero_grad_drops_the_windows_slots():
     for theirs, ours in run_ranks(dropped_micro_step, 2):
         for name in theirs:
             torch.testing.assert_close(ours[name], theirs[name], msg=name)
+
+
+def fp32_twins(rank, world_size):
+    import copy
+    import torch.nn.functional as F
+    from helpers import shard
+    plain = gradsync.DDP(mlp(seed=0), **CAPS)
+    slots = gradsync.DDP(copy.deepcopy(plain.module), reduce_dtype=torch.float32, **CAPS)
+    differ = []
+    for k, (x, y) in enumerate(batches(6, world_size)):
+        xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+        for model in (plain, slots):
+            ctx = model.no_sync() if k % 2 == 0 else contextlib.nullcontext()
+            with ctx:
+                F.mse_loss(model(xs), ys).backward()
+        if k % 2:
+            differ.append(sum(int((a.grad != b.grad).sum()) for a, b in zip(plain.parameters(), slots.parameters())))
+            for model in (plain, slots):
+                model.zero_grad()
+    return differ
+
+
+def test_float32_slots_of_a_float32_model_average_to_the_plain_bits_at_three_ranks():
+    """Both scale a window's gradient by 1 / W (a division differs in the last bit at W=3)."""
+    assert run_ranks(fp32_twins, 3) == [[0, 0, 0]] * 3

@@ -76,8 +76,8 @@ class MainGrads:
     def copy_in(self, i: int, divide: bool) -> None:
         """Synced backward: make parameter ``i``'s slot hold this rank's window sum, ready to reduce."""
         self.release_grad(i)
-        if divide:
-            self.slot(i).div_(self.world_size)
+        if divide:  # as the default store averages a copied gradient (bucket.average): the same bits
+            self.slot(i).mul_(1.0 / self.world_size)
 
     def write_back(self, i: int, view: torch.Tensor) -> None:
         p = self.params[i]
