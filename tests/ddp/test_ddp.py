@@ -168,6 +168,11 @@ def mismatched(rank, world_size, how):
         module = nn.Linear(8, 4 if rank == 0 else 5)
     elif how == "count":
         module = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 + (rank == 1))])
+    elif how == "delay":  # rank 1 reduces the weight after the backward, rank 0 in its bucket: gloo aborted
+        module = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+        if rank == 1:
+            kwargs = {"delay_all_reduce_named_params": [("1.weight", module[1].weight)],
+                      "param_to_hook_all_reduce": module[0].weight}
     else:  # options that decide the buckets or the control: a gloo size mismatch (an abort) or a timeout later
         module = nn.Linear(8, 4)
         kwargs = {"bucket_cap_mb": 25 if rank == 0 else 0.0005} if how == "caps" else {"find_unused_parameters": rank == 1}
@@ -179,7 +184,7 @@ def mismatched(rank, world_size, how):
     return None, 0.0
 
 
-@pytest.mark.parametrize("how", ["shape", "count", "caps", "find_unused"])
+@pytest.mark.parametrize("how", ["shape", "count", "caps", "find_unused", "delay"])
 def test_mismatched_models_raise_on_every_rank(how):
     results = run_ranks(mismatched, 2, how, timeout=30)
     for message, elapsed in results:
@@ -192,6 +197,8 @@ def test_mismatched_models_raise_on_every_rank(how):
         assert "bucket_cap_mb=0.0005 (rank 0: 25" in results[0][0], results[0][0]
     if how == "find_unused":
         assert "find_unused_parameters=True (rank 0: False)" in results[0][0], results[0][0]
+    if how == "delay":
+        assert "delay_all_reduce_named_params=['1.weight'] (rank 0: [])" in results[0][0], results[0][0]
 
 
 def no_trainable(rank, world_size):

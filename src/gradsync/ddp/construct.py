@@ -61,19 +61,24 @@ AGREED = ("bucket_cap_mb", "first_bucket_cap_mb", "auto_bucket_cap", "find_unuse
           "skip_all_reduce_unused_params", "reduce_dtype", "sharded", "check_replicas", "deterministic")
 
 
-def describe(module: nn.Module, config: Any) -> list[tuple]:
+def describe(module: nn.Module, options: Any) -> list[tuple]:
     """Return what must agree across ranks: (kind, name, shape, dtype, requires_grad) per tensor, and
-    ("option", name, value, "", False) per option of ``config`` in ``AGREED``."""
+    ("option", name, value, "", False) per option of ``options.config`` in ``AGREED``, the delayed parameters
+    (reduced after the backward, not in a bucket) and, where there are buffers, whether a forward broadcasts them."""
     rows = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
             for n, p in module.named_parameters()]
     rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
-    return rows + [("option", name, repr(getattr(config, name)), "", False) for name in AGREED]
+    rows += [("option", name, repr(getattr(options.config, name)), "", False) for name in AGREED]
+    rows.append(("option", "delay_all_reduce_named_params", repr(sorted(options.delayed)), "", False))
+    if any(row[0] == "buffer" for row in rows):
+        rows.append(("option", "broadcast_buffers", repr(options.forward_sync_buffers), "", False))
+    return rows
 
 
-def verify_same_model(module: nn.Module, group: dist.ProcessGroup, config: Any,
+def verify_same_model(module: nn.Module, group: dist.ProcessGroup, options: Any,
                       device: torch.device | None = None) -> None:
     """Raise on every rank if any rank's parameters, buffers or bucket options differ from rank 0's."""
-    mine, timeout = describe(module, config), config.timeout
+    mine, timeout = describe(module, options), options.config.timeout
     # compare digests with a bounded collective; gather the details only on a mismatch
     digest = int.from_bytes(hashlib.sha256(repr(mine).encode()).digest()[:7], "little")
     digests = torch.zeros(dist.get_world_size(group), dtype=torch.int64, device=device)

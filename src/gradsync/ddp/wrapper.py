@@ -95,7 +95,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # the hook parameter unregistered (in __dict__): it is the module's, not the wrapper's, as in torch's state_dict
         self.reduced_names, self.delayed_names, self.__dict__["delay_trigger"] = options.reduced, list(options.delayed), param_to_hook_all_reduce
         if init_sync:  # before the reducer allocates its buckets: peak memory is one model copy less
-            verify_same_model(module, self.process_group, options.config, self.device)
+            verify_same_model(module, self.process_group, options, self.device)
             if self.world_size > 1:
                 self.broadcast_tensors(list(module.parameters()) + (list(module.buffers())
                                        if options.init_sync_buffers else []), timeout=options.config.timeout)
