@@ -435,3 +435,22 @@ def test_ranks_that_normalize_a_window_differently_raise_on_every_rank():
     errors = run_ranks(mixed_kinds, 2)
     for message in errors:
         assert message is not None and "rank 0: num_items" in message and "rank 1: a mean loss" in message
+
+
+def kinds_across_ranks(rank, world_size):
+    model = gradsync.DDP(mlp(seed=0))
+    acc = gradsync.GradientAccumulator(model, steps=2)
+    with pytest.raises(gradsync.SyncError) as raised:
+        for x, y in batches(2, world_size):
+            xs, ys = shard(x, rank, world_size), shard(y, rank, world_size)
+            with acc.accumulate():
+                if rank == 0:
+                    acc.backward(F.mse_loss(model(xs), ys, reduction="sum"), num_items=xs.shape[0])
+                else:
+                    acc.backward(F.mse_loss(model(xs), ys))
+    return str(raised.value)
+
+
+def test_ranks_that_mix_kinds_of_backward_raise_on_every_rank_naming_them():
+    for message in run_ranks(kinds_across_ranks, 2):
+        assert "different kinds of acc.backward() (rank 0: num_items, rank 1: a mean loss" in message, message
