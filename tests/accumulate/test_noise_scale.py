@@ -87,3 +87,49 @@ def test_noise_scale_is_refused_with_sharded_gradients():
         with pytest.raises(ValueError, match="noise_scale=True needs every rank's whole window gradient"):
             gradsync.GradientAccumulator(model, steps=2, noise_scale=True)
     run_ranks(fn, 2)
+
+
+def scaled_windows(rank, world_size):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model = gradsync.DistributedDataParallel(net)
+    acc = gradsync.GradientAccumulator(model, steps=2, noise_scale=True, skip_nonfinite=True)
+    optimizer = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.01))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    g, out = torch.Generator().manual_seed(rank), []
+    for w in range(4):
+        for i in range(2):
+            with acc.accumulate():
+                x = torch.randn(5, 8, generator=g)
+                if w == 1 and i == 0 and rank == 0:  # an overflow: the scaler skips this window's step
+                    x[0, 0] = float("inf")
+                acc.backward(scaler.scale(model(x).square().mean()))
+        scaler.step(optimizer)
+        theirs = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")))
+        out.append((acc.grad_norm, theirs, acc.noise_scale))
+        scaler.update()
+        optimizer.zero_grad()
+    return out
+
+
+def test_with_a_grad_scaler_grad_norm_is_unscaled_and_an_overflowed_window_leaves_the_noise_scale_alone():
+    for rows in run_ranks(scaled_windows, 2):
+        for w, (mine, theirs, noise) in enumerate(rows):
+            if w != 1:  # window 1's gradients are inf: the scaler skipped its step
+                assert mine == pytest.approx(theirs, rel=1e-6), (w, mine, theirs)
+            assert noise is not None or w == 0, rows  # a number from the first estimate on (was None for good)
+        assert rows[-1][2] is not None
+
+
+def test_noise_scale_is_refused_with_sync_each_batch_and_grad_norm_with_shards():
+    def fn(rank, world_size):
+        model = gradsync.DistributedDataParallel(torch.nn.Linear(4, 4))
+        with pytest.raises(ValueError, match="sync_each_batch=True reduces micro-step by micro-step"):
+            gradsync.GradientAccumulator(model, steps=2, noise_scale=True, sync_each_batch=True)
+        sharded = gradsync.ShardedDataParallel(torch.nn.Linear(4, 4))
+        acc = gradsync.GradientAccumulator(sharded, steps=1)
+        with acc.accumulate():
+            acc.backward(sharded(torch.randn(2, 4)).sum())
+        with pytest.raises(NotImplementedError, match="clip_grad_norm_"):  # was a silent 0.0
+            acc.grad_norm
+    run_ranks(fn, 2)

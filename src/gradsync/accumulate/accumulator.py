@@ -60,9 +60,10 @@ class GradientAccumulator(WindowClose):
         self._boundary_done = -1  # the window boundary at_window_start() last ran at
         self.noise = NoiseEstimates(model, noise_scale)  # the gradient noise scale and the window's norm (noise.py)
         if noise_scale and self._target is not None:
-            if getattr(model, "sharded", False):
+            if getattr(model, "sharded", False) or sync_each_batch:
                 raise ValueError("gradsync: noise_scale=True needs every rank's whole window gradient, which "
-                                 "ShardedDataParallel does not keep; use DistributedDataParallel")
+                                 "ShardedDataParallel does not keep, and which sync_each_batch=True reduces micro-step "
+                                 "by micro-step; use DistributedDataParallel and sync_each_batch=False")
             self.noise.local_norms = self._target.measure_local_norms()
         self._started = False  # this micro-step's backward began
         self._pending_carry: Any = None  # the reader of what this micro-step's backward carries

@@ -10,6 +10,7 @@ means of the two terms over every window so far, the same on every rank.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ class NoiseScale:
         return trace, big_norm2 - trace / big_batch
 
     def add(self, trace: float, norm2: float) -> None:
+        if not math.isfinite(trace) or not math.isfinite(norm2):  # a window a GradScaler skips (inf gradients)
+            return
         self.trace_sum += trace
         self.norm2_sum += norm2
         self.windows += 1
@@ -55,6 +58,10 @@ class NoiseEstimates:
         self.grad_norm, self.first = None, None
 
     def norm2(self) -> float:
+        if getattr(self.model, "sharded", False):  # .grad is None there: a norm of nothing would read 0.0
+            raise NotImplementedError(
+                "gradsync: acc.grad_norm on a ShardedDataParallel model: each rank holds only its shard of the "
+                "gradient. model.clip_grad_norm_(float('inf')) returns the total norm (every rank must call it)")
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
@@ -74,8 +81,7 @@ class NoiseEstimates:
                 scale_len: float, item_count: Any, units: int) -> None:
         """The window closed (its reduced gradient is in .grad). ``several`` ranks: ``local_norms`` (the synced
         backward's) has every rank's local squared norm; one rank: ``first`` is the small batch."""
-        big2 = self.norm2()
-        self.grad_norm = big2 ** 0.5
+        big2 = self.norm2()  # not kept as grad_norm: a GradScaler unscales after this (grad_norm reads it then)
         if split:
             return  # a split() window weights rows, not micro-batches: no estimate
         if several:
