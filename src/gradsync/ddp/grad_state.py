@@ -11,7 +11,14 @@ from typing import Any
 
 from torch import nn
 
-_KEYS = {"gradients", "bucket_order", "main_grads", "bucket_caps", "trees"}
+from ..engine.checks import is_view_of
+
+_KEYS = {"gradients", "bucket_order", "main_grads", "main_written", "bucket_caps", "trees", "world_size", "views", "lent"}
+
+
+def holds_window(state: dict[str, Any]) -> bool:
+    """Whether a ``grad_state()`` carries an unfinished window (a gradient that is not zero, or reduce_dtype slots)."""
+    return any(bool(g.any()) for g in state["gradients"].values()) or bool(state.get("main_grads"))
 
 
 def grad_state(reducer: Any) -> dict[str, Any]:
@@ -20,9 +27,13 @@ def grad_state(reducer: Any) -> dict[str, Any]:
     order = store.plan_order
     state = {"gradients": {name: p.grad.detach().clone() for name, p in zip(reducer.names, reducer.params)
                            if p.grad is not None},
-             "bucket_order": None if order is None else [reducer.names[i] for i in order]}
+             "bucket_order": None if order is None else [reducer.names[i] for i in order],
+             "world_size": reducer.world_size}
+    if getattr(store, "grad_as_view", False) and store.main is None:  # which .grad were views, and which lent
+        state["views"] = [n for n, p, v in zip(reducer.names, reducer.params, store.views) if is_view_of(p.grad, v)]
+        state["lent"] = [reducer.names[i] for i in sorted(store.lent)]
     if store.main is not None:
-        state["main_grads"] = store.main.state()
+        state["main_grads"], state["main_written"] = store.main.state()
     if hasattr(store, "tree_state"):  # deterministic=True: the window is in per-parameter trees, not .grad
         state["trees"] = store.tree_state()
     if reducer.auto_caps is not None and reducer.auto_caps.choice is not None:
@@ -37,6 +48,12 @@ def load_grad_state(reducer: Any, state: dict[str, Any]) -> None:
                        f"and 'bucket_order', got keys {sorted(state)[:5]}")
     names, store = reducer.names, reducer.store
     grads, order = state["gradients"], state["bucket_order"]
+    saved_at = state.get("world_size", reducer.world_size)
+    if saved_at != reducer.world_size and holds_window(state):  # each rank's share of a W-rank window
+        raise ValueError(
+            f"gradsync: this gradient state holds an unfinished window, saved at world size {saved_at}; it cannot "
+            f"load at {reducer.world_size} (each rank's gradients are its share of that window). Resume mid-window "
+            "at the same world size, or checkpoint between windows (after zero_grad)")
     unknown = set(grads) - set(names)
     if order is not None:
         unknown |= set(order) - set(names)
@@ -51,14 +68,19 @@ def load_grad_state(reducer: Any, state: dict[str, Any]) -> None:
             caps = reducer.auto_caps.resume(*state["bucket_caps"])
         index = {name: i for i, name in enumerate(names)}
         reducer.layout.replan([index[name] for name in order], caps)
-    for name, p in zip(names, reducer.params):
+    views = set(state.get("views", ())) if getattr(store, "grad_as_view", False) and store.main is None else set()
+    for i, (name, p) in enumerate(zip(names, reducer.params)):
         p.grad = grads[name].detach().clone().to(p.device) if name in grads else None
+        if name in views and p.grad is not None:  # a view again: averaged as it would have been (bucket.average)
+            p.grad = store.views[i].copy_(p.grad)
+    if views:
+        store.lent = {i for i, name in enumerate(names) if name in set(state.get("lent", ()))}
     main = state.get("main_grads", {})
     if main and store.main is None:
         raise ValueError("gradsync: this gradient state holds reduce_dtype accumulation buffers "
                          "('main_grads'); load it into a model built with the same reduce_dtype")
     if store.main is not None:
-        store.main.load_state(main)
+        store.main.load_state(main, state.get("main_written", ()))
     if ("trees" in state) != hasattr(store, "tree_state"):
         raise ValueError("gradsync: a gradient state saved with deterministic=True loads only into a model built with "
                          "it, and the other way round (the window's gradients live in its trees)")

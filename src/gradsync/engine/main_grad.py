@@ -94,13 +94,20 @@ class MainGrads:
                 views[i].copy_(old_views[i])
             p.main_grad = views[i]
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """Return the window's accumulated slots, keyed by parameter name."""
-        return {self.names[i]: self.slot(i).clone() for i in range(len(self.params)) if not self.fresh[i]}
+    def state(self) -> tuple[dict[str, torch.Tensor], list[str]]:
+        """Return the window's accumulated slots, keyed by parameter name, and the names of those that hold the
+        average of the last synced backward whose ``.grad`` copy is untouched (the next gradient starts from it
+        exactly: a ``sync_each_batch`` window's earlier micro-steps)."""
+        written = [i for i in range(len(self.params)) if self.fresh[i] and unchanged(self._written[i], self.params[i].grad)]
+        kept = [i for i in range(len(self.params)) if not self.fresh[i]] + written
+        return {self.names[i]: self.slot(i).clone() for i in kept}, [self.names[i] for i in written]
 
-    def load_state(self, main: dict[str, torch.Tensor]) -> None:
+    def load_state(self, main: dict[str, torch.Tensor], written: Sequence[str] = ()) -> None:
+        """Restore ``state()``; load ``.grad`` first (a written slot's ``.grad`` is its untouched copy)."""
         for i, name in enumerate(self.names):
-            self.fresh[i] = name not in main
+            self.fresh[i] = name not in main or name in written
+            self._written[i] = stamp(self.params[i].grad) if name in written and self.params[i].grad is not None \
+                else None
             if name in main:
                 self.slot(i).copy_(main[name])
 

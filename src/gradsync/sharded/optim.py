@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 import itertools
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 
 from ..engine.errors import PeerFailure
 from .wrapper import ShardedDataParallel
+from .checkpoint import Checkpoints
 from .comm import start_all_gather
 from .regroup import claim_optimizer
 from .prefetch import Gathers
@@ -46,7 +48,7 @@ class _Side(NamedTuple):
     optimizer: torch.optim.Optimizer
 
 
-class ShardedOptimizer(torch.optim.Optimizer):
+class ShardedOptimizer(Checkpoints, torch.optim.Optimizer):
     """Run ``optimizer_class`` on this rank's shard of a ``ShardedDataParallel`` model.
 
     ``kwargs`` go to ``optimizer_class``. ``param_groups`` (optional) is a list of dicts like
@@ -89,6 +91,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         starts = [0, *itertools.accumulate(len(members) for members, _ in groups)]
         self._group_params = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
         self.lay_sides()
+        if any(m.dtype != p.dtype for m, p in zip(self._masters, (b.flat_param for b in reducer.buckets))):
+            mine = weakref.ref(self)  # loading the model's weights restarts the master copies (checkpoint.py)
+            model.module.register_load_state_dict_post_hook(
+                lambda module, keys: None if (o := mine()) is None else o.refresh_masters())
         self._initializing = True
         super().__init__(self.optimizer.param_groups, self.optimizer.defaults)
         self._initializing = False
@@ -245,85 +251,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.reducer.attached is None:
             raise exc
         return exc
-
-    # ---------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict[str, Any]:
-        """Return the full (unsharded) optimizer state in torch's format; collective: call on every rank."""
-        self.wait_for_params()
-        everyone: list[Any] = [None] * self.reducer.world_size
-        dist.all_gather_object(everyone, self.pieces_state(), group=self.reducer.group)
-        return self.full_state([piece for pieces in everyone for piece in pieces])
-
-    def pieces_state(self, mirror: bool = False) -> list[tuple]:
-        """(state index, offset in the parameter, elements, state on the CPU) of each piece of this rank's shard,
-        or of the shard it mirrors."""
-        optimizer, pieces = (self.mirror.optimizer, self.mirror.pieces) if mirror else (self.optimizer, self._pieces)
-        return [(self._state_index[pieces[k].param], pieces[k].offset, pieces[k].tensor.numel(),
-                 {key: v.detach().cpu() if isinstance(v, torch.Tensor) else v for key, v in st.items()})
-                for k, st in optimizer.state_dict()["state"].items()]
-
-    def full_state(self, pieces: list[tuple]) -> dict[str, Any]:
-        """torch's per-parameter state from pieces that tile the parameters, with this rank's group options."""
-        by_param: dict[int, list] = {}
-        for j, offset, numel, st in pieces:
-            by_param.setdefault(j, []).append((offset, numel, st))
-        state = {j: _join(sorted(pieces, key=lambda x: x[0]), self._state_shape[j])
-                 for j, pieces in sorted(by_param.items())}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": list(params)}
-                  for g, params in zip(self.optimizer.param_groups, self._group_params)]
-        return {"state": state, "param_groups": groups}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a full optimizer state (from ``state_dict()`` at any world size, or a torch optimizer)."""
-        self.wait_for_params()
-        groups = state_dict["param_groups"]
-        if [list(g["params"]) for g in groups] != self._group_params:
-            raise ValueError(
-                f"gradsync: the optimizer state's parameter groups {[list(g['params']) for g in groups]} do not match "
-                f"this optimizer's {self._group_params}; build the optimizer with the same param_groups (same "
-                "parameters in the same order) as the one that saved the state")
-        mirrored = [(self.mirror.optimizer, self.mirror.pieces)] if self.mirror is not None else []
-        for optimizer, pieces in [(self.optimizer, self._pieces)] + mirrored:
-            state = {}
-            for piece in pieces:
-                st = state_dict["state"].get(self._state_index[piece.param])
-                if st is None:
-                    continue
-                shape = self.reducer.params[piece.param].shape
-                state[piece.index] = {  # a tensor each: AdamW counts its step in place, and a parameter may
-                    # have a piece in this rank's shard and one in the shard it mirrors
-                    key: v.reshape(-1)[piece.offset:piece.offset + piece.tensor.numel()].clone()
-                    if _per_element(key, v, shape) else v.clone() if isinstance(v, torch.Tensor) else v
-                    for key, v in st.items()}
-            inner_groups, k = [], 0
-            for g, current in zip(groups, optimizer.param_groups):
-                n = len(current["params"])
-                inner_groups.append({**g, "params": list(range(k, k + n))})
-                k += n
-            optimizer.load_state_dict({"state": state, "param_groups": inner_groups})
-        self._link()
-
-
-def _per_element(key: str, value: Any, shape: tuple[int, ...]) -> bool:
-    # by shape, not size: a 1-element piece's scalar state (NAdam's mu_product, ASGD's eta) is 0-dim, its
-    # per-element state 1-D; "step" is a scalar even for a 0-dim parameter (torch special-cases it too)
-    return key != "step" and isinstance(value, torch.Tensor) and value.shape == shape
-
-
-def _join(pieces: list, shape: torch.Size) -> dict[str, Any]:
-    total = shape.numel()
-    covered = sum(numel for _, numel, _ in pieces)
-    if covered != total or any(a[0] + a[1] != b[0] for a, b in zip(pieces, pieces[1:])):
-        raise RuntimeError("gradsync: optimizer state pieces of a parameter do not tile it; ranks stepped "
-                           "different parts of the model")
-    out = {}
-    for key, first in pieces[0][2].items():
-        values = [st[key] for _, _, st in pieces]
-        if all(_per_element(key, v, (n,)) for v, (_, n, _) in zip(values, pieces)):
-            out[key] = torch.cat([v.reshape(-1) for v in values]).view(shape)
-        else:
-            out[key] = first
-    return out
 
 
 __all__ = ["ShardedOptimizer"]

@@ -14,6 +14,7 @@ import torch
 
 from .. import process
 from .._torch import dynamo_frame_callback_set
+from ..ddp.grad_state import holds_window
 from ..ddp.wrapper import DistributedDataParallel
 from .prefetch import compiling
 from ..engine.config import ReducerConfig
@@ -113,10 +114,13 @@ class ShardedDataParallel(DistributedDataParallel):
     def load_grad_state_dict(self, state: dict[str, Any]) -> None:
         """Restore ``grad_state_dict()`` of the same rank at the same world size."""
         if state["world_size"] != self.world_size:
+            if not any(state["has_grad"]) and not any(bool(s.any()) for s in state["shards"]) \
+                    and not holds_window(state["local"]):
+                return  # saved between windows: nothing to restore (the layout is the one built here)
             raise ValueError(
-                f"gradsync: gradient shards saved at world size {state['world_size']} cannot load at "
-                f"{self.world_size}; resume mid-window at the same world size, or checkpoint at a "
-                "window boundary (the optimizer state itself loads at any world size)")
+                f"gradsync: this gradient state holds an unfinished window's shards, saved at world size "
+                f"{state['world_size']}; it cannot load at {self.world_size}. Resume mid-window at the same world "
+                "size, or checkpoint between windows (after zero_grad; the optimizer state loads at any world size)")
         super().load_grad_state_dict(state["local"])
         self.reducer.store.has_grad = list(state["has_grad"])
         for bucket, shard in zip(self.reducer.buckets, state["shards"]):
