@@ -41,6 +41,12 @@ class Chunked(nn.Module):
         return f"chunks={self.chunks}"
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # compiled, dropout would draw from the compiler's generator, which the
+            # recomputation in backward (eager) cannot replay: the chunks run eagerly, a graph break
+            return torch.compiler.disable(self.chunked_forward, recursive=True)(*args, **kwargs)
+        return self.chunked_forward(*args, **kwargs)
+
+    def chunked_forward(self, *args: Any, **kwargs: Any) -> Any:
         params = [p for p in self.module.parameters() if p.requires_grad]
         leaves, spec = flatten((args, kwargs))
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]

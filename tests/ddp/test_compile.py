@@ -304,3 +304,19 @@ def test_auto_cap_under_compile_keeps_graph_splits_in_step():
         assert all(split == used for split, used in seen), seen
         assert len({used for _, used in seen}) > 1  # "auto" tried several caps, and the splits followed
         assert final == int(choice["bucket_cap_mb"] * MiB)
+
+
+def test_chunked_dropout_under_inductor_recomputes_the_forwards_mask():
+    """Compiled, dropout drew from inductor's generator and the eager recomputation in backward drew another mask:
+    the gradient was off by about its own size. The chunks now run eagerly under compile (a graph break)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    linear = nn.Linear(16, 16)
+    run = torch.compile(gradsync.Chunked(nn.Sequential(linear, nn.Dropout(0.5)), chunks=2), backend="inductor")
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        linear.weight.grad = None
+        out = run(x)
+        out.sum().backward()
+        torch.testing.assert_close(linear.weight.grad, ((out != 0).float() / 0.5).t() @ x)
