@@ -160,6 +160,18 @@ def test_a_skip_in_the_window_a_replica_dies_after_committing_is_kept_too(tmp_pa
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+def test_the_survivors_exit_code_is_the_scripts_after_a_member_died(tmp_path):
+    """A replica that held a dead member's group ends with os._exit (gloo would hold the interpreter's exit): it ended
+    with 0 whatever the script gave sys.exit(), and gradsync run called the job a success."""
+    argv = ["run", "--replicas", "3", "--min-replicas", "2", "--max-restarts", "0", str(SCRIPT), "--out", str(tmp_path),
+            "--windows", str(WINDOWS), "--steps", str(STEPS), "--victim", "2", "--window", "3", "--point", "forward",
+            "--exit-code", "3"]  # from a new interpreter, as a user starts it: a fork of this one exits otherwise
+    proc = subprocess.run([sys.executable, "-m", "gradsync.tools.cli", *argv], capture_output=True, text=True,
+                          timeout=150)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "replica 0 (restart 0) exited with code 3" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_replica_stopped_under_gradsync_run_is_killed_by_its_launcher_and_left_out(tmp_path):
     """SIGSTOP before its forward: its launcher beats for the machine, so the others could not tell it from a live
     replica until the collective's timeout and then the re-form's (30 s each here); the launcher sees it stopped and

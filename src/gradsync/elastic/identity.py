@@ -174,6 +174,7 @@ class Liveness:
     def __init__(self, address: str, ident: Identity, store: dist.Store, reports: bool):
         self.store, self.exit_key, self.reports = store, f"{P}/exit/{ident.replica_id}/{ident.restart}", reports
         self.failed = False
+        self.status: Any = None  # what the script gave sys.exit(): the exit code at_exit reports and ends with
         self.graveyard: list[Any] = []  # the membership's earlier groups (membership.py)
         self._stop = threading.Event()
         self._beating: tuple[threading.Thread, tuple[int, str] | None] | None = None
@@ -195,6 +196,12 @@ class Liveness:
                       file=sys.stderr, flush=True)
             hook(kind, value, tb)
         sys.excepthook = excepthook
+        exit_ = sys.exit
+
+        def recording_exit(status: Any = None) -> None:  # a SystemExit reaches no hook: at_exit needs its code
+            self.status = status
+            exit_(status)
+        sys.exit = recording_exit
         atexit.register(self.at_exit)
         if reports and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.on_sigterm)
@@ -221,7 +228,8 @@ class Liveness:
             pass
 
     def at_exit(self) -> None:
-        code = 1 if self.failed else 0
+        status = self.status
+        code = 1 if self.failed else 0 if status is None else status if isinstance(status, int) else 1
         self.report(code)
         if self._beating is not None:
             end_thread(*self._beating)
