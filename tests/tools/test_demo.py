@@ -62,8 +62,12 @@ def test_accumulation_example_matches_one_process(flags, capfd):
     assert "3 optimizer steps (expected 3)" in out and "check passed" in out
 
 
-def test_elastic_demo_survives_a_kill_and_the_replica_rejoins(tmp_path, capfd):
+def test_elastic_demo_survives_a_kill_and_the_replica_rejoins(tmp_path, capfd, monkeypatch):
+    import tempfile
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     demo.main(["--elastic", "--out", str(tmp_path)])
+    assert list((tmp_path / "tmp").iterdir()) == []  # the replicas' results went with the run (they were left)
     out = capfd.readouterr().out
     assert "replica(s) [2] left in window 15" in out and "replica(s) [2] joined before window" in out
     assert "members bit-identical: True" in out

@@ -11,7 +11,6 @@ process trained on exactly the micro-batches that were kept, and the loss curve 
 """
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -90,7 +89,11 @@ def reference(events: list[dict]) -> list[torch.Tensor]:
 
 
 def main(out_dir: str = "demo-output") -> None:
-    work = Path(tempfile.mkdtemp(prefix="gradsync-demo-"))
+    with tempfile.TemporaryDirectory(prefix="gradsync-demo-") as work:  # the replicas' results: removed after
+        run_and_check(Path(work), Path(out_dir))
+
+
+def run_and_check(work: Path, out_dir: Path) -> None:
     print(f"gradsync run --replicas 3 --min-replicas 2 --max-restarts 1: {SAMPLES} spiral points, "
           f"{GLOBAL} a window; replica 2 is SIGKILLed in window {KILL_AT}")
     start = time.perf_counter()
@@ -111,7 +114,7 @@ def main(out_dir: str = "demo-output") -> None:
     print(f"  lost with the dead replica: {[(w, r, len(s)) for w, r, s in first['lost']]} (window, replica, samples)")
     print(f"  members bit-identical: {identical}; largest difference from one process trained on what was "
           f"kept: {diff:.1e}")
-    plot(first, Path(out_dir))
+    plot(first, out_dir)
     if not identical or diff > 1e-4:
         raise SystemExit("the members disagree, or differ from the reference")
 
