@@ -24,6 +24,9 @@ def test_demo_trains_matches_one_process_and_plots(tmp_path, capfd):
 def test_demo_rejects_windows_that_do_not_divide_the_data():
     with pytest.raises(SystemExit):
         demo.parse_args(["--samples", "100", "--batch", "32", "--accum", "4"])
+    for bad in (["--batch", "0"], ["--samples", "0"], ["--batch", "-64"], ["--backend", "nccl"]):  # were tracebacks
+        with pytest.raises(SystemExit):
+            demo.parse_args(bad)
 
 
 @pytest.mark.parametrize("flag, names", [

@@ -190,6 +190,7 @@ def test_sigterm_to_the_launcher_ends_its_replicas(tmp_path):
     (["--replicas", "3", "--min-replicas", "5", "s.py"], "--min-replicas must be between 1 and"),
     (["--replicas", "2"], "the following arguments are required: script"),
     (["--machines", "2", "s.py"], "needs --coordinator"),
+    (["--coordinator", "127.0.0.1:99999", "s.py"], "a port from 1 to 65535"),  # was an OverflowError traceback
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -354,3 +355,19 @@ def test_threads_of_a_forked_replica_find_torchs_thread_pool_in_place(tmp_path):
                           timeout=BOUND_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads(done.stdout.splitlines()[-1]) == [0] * 10, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("port", ["99999", "-5"])
+def test_the_coordinators_port_out_of_range_is_refused(port, capsys):
+    from gradsync.tools.elastic.coordinator import parse_args
+    with pytest.raises(SystemExit) as exit_:  # was an OverflowError traceback from bind()
+        parse_args(["--replicas", "2", "--port", port])
+    assert exit_.value.code == 2 and "--port must be from 0" in capsys.readouterr().err
+
+
+def test_a_missing_script_is_one_line_before_anything_starts(tmp_path):
+    """It was a traceback through the fork server, once per restart."""
+    proc = subprocess.run([sys.executable, "-m", "gradsync.tools.cli", "run", "--max-restarts", "2", "nosuch.py"],
+                          env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip().endswith("nosuch.py': no such script"), proc.stderr
+    assert "Traceback" not in proc.stderr

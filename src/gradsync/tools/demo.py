@@ -240,8 +240,10 @@ def parse_args(argv=None):
     p.add_argument("--elastic", action="store_true", help="3 replicas under `gradsync run`; one is SIGKILLed "
                    "mid-run and rejoins (tools/elastic/demo.py)")
     args = p.parse_args(argv)
-    if args.nproc < 1 or args.accum < 1 or args.epochs < 1:
-        p.error("--nproc, --accum and --epochs must be at least 1")
+    if min(args.nproc, args.accum, args.epochs, args.samples, args.batch) < 1:
+        p.error("--nproc, --accum, --epochs, --samples and --batch must be at least 1")
+    if args.backend == "nccl" and "RANK" not in os.environ:  # the local ranks are forked gloo ranks
+        p.error("--backend nccl needs a launcher that sets RANK (torchrun -m gradsync.tools.demo --backend nccl)")
     if args.samples % (args.batch * args.accum):
         p.error(f"--samples ({args.samples}) must be a multiple of --batch x --accum "
                 f"({args.batch * args.accum}) so every window is full")

@@ -145,7 +145,7 @@ def run_memory(plan: Plan, world: int, names: list[str], log) -> list[dict]:
 
 
 def parse_size(text: str) -> float:
-    m = re.fullmatch(r"([0-9.]+)\s*([kKmMgG]?)", text.strip())
+    m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][0-9]+)?)\s*([kKmMgG]?)", text.strip())
     if not m:
         raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (use e.g. 4M, 250k, 1e6)")
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
@@ -171,6 +171,12 @@ def parse_args(argv=None):
         p.error("--world must be at least 2: a benchmark of data parallelism needs two ranks")
     if args.models and not set(args.models) <= {"mlp", "gpt"}:
         p.error(f"--models takes mlp and/or gpt, got {','.join(args.models)}")
+    if min(args.accum or [1]) < 1 or args.warmup < 0 or args.reps < 0 or args.bucket_cap_mb <= 0 or \
+            min(args.params or [1]) < 1:
+        p.error("--accum and --params must be at least 1, --warmup and --reps at least 0, --bucket-cap-mb positive")
+    unknown = {s for s in args.skip.split(",") if s} - {"models", "overhead", "buckets", "sweep", "memory"}
+    if unknown:
+        p.error(f"--skip takes models, overhead, buckets, sweep and/or memory, got {','.join(sorted(unknown))}")
     if args.params is None and not args.quick:
         args.params = [1e6, 4e6, 16e6, 48e6]
     return args

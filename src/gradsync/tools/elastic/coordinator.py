@@ -59,6 +59,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.coordinator is not None and not args.coordinator.startswith("etcd://"):
         parser.error(f"--coordinator must be etcd://HOST:PORT,...[/PREFIX], got {args.coordinator!r}")
+    if not 0 <= args.port < 65536:
+        parser.error(f"--port must be from 0 (any free port) to 65535, got {args.port}")
     if args.replicas < 1 or not 1 <= args.min_replicas <= args.replicas:
         parser.error(f"need 1 <= --min-replicas <= --replicas, got {args.min_replicas} and {args.replicas}")
     return args

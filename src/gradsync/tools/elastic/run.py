@@ -72,8 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      f"got {args.min_replicas}")
     if args.coordinator is not None and not args.coordinator.startswith("etcd://"):
         host, _, port = args.coordinator.rpartition(":")
-        if not host or not port.isdigit():
-            parser.error(f"--coordinator must be HOST:PORT, got {args.coordinator!r}")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error(f"--coordinator must be HOST:PORT with a port from 1 to 65535, got {args.coordinator!r}")
     elif args.machines > 1:
         parser.error("--machines > 1 needs --coordinator HOST:PORT")
     return args
@@ -147,6 +147,9 @@ def terminate(rep: Replica, sig: int = signal.SIGTERM) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if not (os.path.isfile(args.script) or os.path.isfile(os.path.join(args.script, "__main__.py"))):
+        # as python's own message, before anything starts: a replica would fail on it, once per restart
+        raise SystemExit(f"gradsync run: can't open file {os.path.abspath(args.script)!r}: no such script")
     # before the store: a hosting store runs a thread, and the server must be forked while there is none
     server = ForkServer() if supported() and not args.fresh_interpreters else None
     try:
