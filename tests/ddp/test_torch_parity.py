@@ -205,6 +205,28 @@ def test_delayed_all_reduce_parameters_are_averaged_apart_from_the_buckets():
     assert not torch.equal(results[0][0]["2.weight"], results[1][0]["2.weight"])  # no_sync: local
 
 
+def delayed_by_object(rank, world_size):
+    inner = mlp(seed=0)
+    outer = nn.Sequential(inner)  # as a module compiled before wrapping, whose names gain "_orig_mod."
+    ddp = gradsync.DDP(outer, delay_all_reduce_named_params=[("2.weight", inner[2].weight)],
+                       param_to_hook_all_reduce=inner[0].weight)
+    step(ddp, rank, world_size)
+    with pytest.raises(ValueError, match="'stray', a tensor that is not a trainable parameter"):
+        gradsync.DDP(mlp(seed=0), delay_all_reduce_named_params=[("stray", nn.Parameter(torch.zeros(2)))],
+                     param_to_hook_all_reduce=inner[0].weight)
+    return ddp.delayed_names, grads(inner)
+
+
+def test_delayed_parameters_are_matched_by_object_as_torch_does():
+    """Names of the unwrapped module (or misspelt ones) were a bare KeyError at construction."""
+    ref = mlp(seed=0)
+    x, y = batches(1, 2)[0]
+    F.mse_loss(ref(x), y).backward()
+    for names, synced in run_ranks(delayed_by_object, 2):
+        assert names == ["0.2.weight"]
+        assert_close_dicts(synced, grads(ref))
+
+
 # ---------------------------------------------------------------- item 8: buffers and init sync
 class RankLocal(nn.Module):
     def __init__(self, rank):

@@ -67,7 +67,7 @@ def resolve(wrapper: type, module: nn.Module, *, refuse: tuple[type, ...], devic
     # a replica of gradsync.elastic reduces them in its buckets, so they commit with the rest: the delay changes
     # when they are averaged, not what
     follows_replica = process.state.replica is not None and process_group is None and device_mesh is None
-    delayed = {} if follows_replica else dict(delay_all_reduce_named_params or ())
+    delayed = {} if follows_replica else by_object(delay_all_reduce_named_params or (), trainable)
     reduced = [n for n, _ in trainable if n not in delayed]
     if not reduced:
         raise NotImplementedError("gradsync: delay_all_reduce_named_params names every trainable "
@@ -112,6 +112,18 @@ def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> 
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}. Pass the "
                            "data-parallel dimension, e.g. mesh['dp'].")
     return device_mesh.get_group(mesh_dim=0)
+
+
+def by_object(named: Any, trainable: list[tuple[str, nn.Parameter]]) -> dict[str, nn.Parameter]:
+    """``delay_all_reduce_named_params`` under the module's own names, matched by parameter as torch matches them (a
+    module compiled before wrapping names its parameters ``_orig_mod.``...)."""
+    name_of, delayed = {id(p): n for n, p in trainable}, {}
+    for name, p in named:
+        if id(p) not in name_of:
+            raise ValueError(f"gradsync: delay_all_reduce_named_params names {name!r}, a tensor that is not a trainable "
+                             "parameter of the wrapped module; pass (name, parameter) pairs of module.named_parameters()")
+        delayed[name_of[id(p)]] = p
+    return delayed
 
 
 def resolve_buffer_sync(broadcast_buffers: bool | None, forward_sync_buffers: bool | None) -> tuple[bool, bool]:
