@@ -371,3 +371,19 @@ def test_a_missing_script_is_one_line_before_anything_starts(tmp_path):
                           env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip().endswith("nosuch.py': no such script"), proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_a_replica_that_never_arrives_fails_the_job_at_once(tmp_path):
+    """The others waited for it in generation 0 until the 60 s bound, then died of a raw store timeout."""
+    body = """
+    if rid == 1:
+        sys.exit(1)  # before init_process_group, with no restarts left
+    import gradsync
+    gradsync.elastic.init_process_group("gloo")
+    """
+    start = time.monotonic()
+    rc, _, err = finish(launch(tmp_path, ["--replicas", "2"], body))
+    assert rc == 1, err
+    assert "the job failed: replica 1 exited with code 1 before the job started, with no restarts left" in err, err
+    assert "MembershipError: gradsync: the job failed before it started" in err, err
+    assert time.monotonic() - start < 40

@@ -33,10 +33,10 @@ from typing import Any
 import torch.distributed as dist
 
 from .etcd import EtcdStore, parse
-from .membership import P, STALE, MembershipError
+from .membership import FAILED, P, STALE, MembershipError
 
 BEAT_S = 0.5
-FINISHED, FAILED, JOB_ID = f"{P}/job/finished", f"{P}/job/failed", f"{P}/job/id"
+FINISHED, JOB_ID = f"{P}/job/finished", f"{P}/job/id"
 
 
 class AdmissionError(MembershipError):
@@ -248,4 +248,4 @@ class Liveness:
         os.kill(os.getpid(), signum)
 
 
-__all__ = ["AdmissionError", "Identity", "Liveness", "connect", "end_thread", "identify", "thread_connection"]
+__all__ = ["FAILED", "FINISHED", "JOB_ID", "AdmissionError", "Identity", "Liveness", "connect", "end_thread", "identify", "thread_connection"]

@@ -34,6 +34,7 @@ from ..engine.control import bounded_wait
 from ..engine.errors import PeerFailure, SyncError
 
 P = "gradsync"
+FAILED = f"{P}/job/failed"  # why the job ended (identity.py names the job's other keys)
 SLICE = 0.1  # seconds between looks at the store while a collective or a vote is not done
 STALE = 5.0  # a heartbeat (every 0.5 s) that stood still this long: its launcher's replicas, or its replica, are gone
 log = logging.getLogger("gradsync.elastic")
@@ -114,7 +115,12 @@ class StoreMembership:
             return
         self.store.set(self.key(f"alive/{self.replica_id}"), self._alive_value())
         ids = list(range(self.replicas))
-        self.store.wait([self.key(f"alive/{i}") for i in ids], self.timeout)
+        keys, deadline = [self.key(f"alive/{i}") for i in ids], time.monotonic() + self.timeout.total_seconds()
+        while not self.store.check(keys) and time.monotonic() < deadline:
+            if self.store.check([FAILED]):  # e.g. a replica that ended before it arrived, with no restarts left
+                raise MembershipError(f"gradsync: the job failed before it started: {self.store.get(FAILED).decode()}")
+            time.sleep(0.05)
+        self.store.wait(keys, timedelta(seconds=1))  # all in, or the store's error naming the missing keys
         self.store.compare_set(f"{P}/job/started", "", "1")
         self._adopt(ids)
 

@@ -30,7 +30,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID
+from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID, P
 from gradsync.elastic.identity import connect as connect_store
 from gradsync.elastic.membership import STALE, Heartbeats
 from gradsync.tools.elastic.coordinator import host_store
@@ -118,6 +118,7 @@ class Replica:
     kill_at: float | None = None  # SIGKILL if still alive then
     returncode: int | None = None
     stopped_polls: int = 0  # consecutive polls that found it stopped
+    gave_up: str = ""  # why it ended with no restarts left (before the job started, the others stop waiting)
 
 
 def stopped(pid: int) -> bool:
@@ -251,6 +252,11 @@ def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica],
                 rep.proc, rep.returncode = start(rep.rid, rep.restart), None
             else:
                 print(f"{head}; no restarts left", file=sys.stderr)
+                rep.gave_up = f"replica {rep.rid} {describe(code)} before the job started, with no restarts left"
+        gone = [rep.gave_up for rep in replicas if rep.gave_up]  # the others wait for it to arrive: end their wait
+        if gone and any(store.check([f"{P}/gen0/alive/{r.rid}"]) for r in replicas) and not store.check(
+                [f"{P}/job/started"]) and not store.check([FAILED]):
+            store.set(FAILED, gone[0])
         running = [rep for rep in replicas if rep.returncode is None]
         if not running:
             break
