@@ -387,3 +387,13 @@ def test_a_replica_that_never_arrives_fails_the_job_at_once(tmp_path):
     assert "the job failed: replica 1 exited with code 1 before the job started, with no restarts left" in err, err
     assert "MembershipError: gradsync: the job failed before it started" in err, err
     assert time.monotonic() - start < 40
+
+
+def test_an_unresolvable_coordinator_is_one_line_at_once(tmp_path):
+    """It retried the name for over a minute, then raised a C++ traceback."""
+    (tmp_path / "s.py").write_text("")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "gradsync.tools.cli", "run", "--coordinator", "nosuch.invalid:29400",
+                           "s.py"], env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "cannot resolve 'nosuch.invalid'" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and time.monotonic() - start < 30

@@ -89,6 +89,10 @@ def connect(coordinator: str | None) -> tuple[dist.TCPStore, str, socket.socket 
         return connect_store(coordinator, timedelta(seconds=CONNECT_S)), coordinator, None
     host, _, port_text = coordinator.rpartition(":")
     port = int(port_text)
+    try:
+        socket.gethostbyname(host)
+    except OSError as exc:  # the store's client would retry the lookup for a minute, then raise from C++
+        raise SystemExit(f"gradsync run: --coordinator {coordinator}: cannot resolve {host!r} ({exc})") from None
     # only try to host it where HOST names this machine; otherwise every machine would host its own store
     if _is_local(host):
         try:
