@@ -397,3 +397,14 @@ def test_an_unresolvable_coordinator_is_one_line_at_once(tmp_path):
                            "s.py"], env=ENV, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "cannot resolve 'nosuch.invalid'" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and time.monotonic() - start < 30
+
+
+def test_an_unknown_command_is_named(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bogus"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err  # it printed the usage alone, on stdout
+    assert err.startswith("gradsync: unknown command 'bogus'") and "commands:" in err
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["--help"])
+    assert exit_.value.code == 0 and "commands:" in capsys.readouterr().out

@@ -16,8 +16,10 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         lines = "\n".join(f"  {name:13s}{help_}" for name, (_, help_) in COMMANDS.items())
-        print(f"usage: gradsync COMMAND [options]\n\ncommands:\n{lines}")
-        raise SystemExit(0 if argv and argv[0] in ("-h", "--help") else 2)
+        asked = bool(argv) and argv[0] in ("-h", "--help")
+        unknown = f"gradsync: unknown command {argv[0]!r}\n" if argv and not asked else ""
+        print(f"{unknown}usage: gradsync COMMAND [options]\n\ncommands:\n{lines}", file=sys.stdout if asked else sys.stderr)
+        raise SystemExit(0 if asked else 2)
     module = __import__(COMMANDS[argv[0]][0], fromlist=["main"])
     module.main(argv[1:])
 
