@@ -1,4 +1,5 @@
 """`gradsync run`: replicas get their ids and arguments, dead ones restart, the job ends cleanly."""
+import contextlib
 import json
 import os
 import signal
@@ -408,3 +409,33 @@ def test_an_unknown_command_is_named(capsys):
     with pytest.raises(SystemExit) as exit_:
         cli.main(["--help"])
     assert exit_.value.code == 0 and "commands:" in capsys.readouterr().out
+
+
+def test_replicas_end_with_a_launcher_that_is_sigkilled(tmp_path):
+    """They ran on, orphaned (a GPU's memory with them)."""
+    proc = launch(tmp_path, ["--replicas", "2"], """
+    open(os.path.join(out, f"pid-{rid}"), "w").write(str(os.getpid()))
+    time.sleep(600)
+    """)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("pid-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pids = [int(p.read_text()) for p in tmp_path.glob("pid-*")]
+        assert len(pids) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 20
+
+        def running(pid):  # a zombie no one reaps has ended
+            try:
+                return open(f"/proc/{pid}/stat", "rb").read().rsplit(b")", 1)[1].split()[0] != b"Z"
+            except FileNotFoundError:
+                return False
+        while any(map(running, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(running, pids))
+    finally:
+        proc.kill()
+        for p in tmp_path.glob("pid-*"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(p.read_text()), signal.SIGKILL)

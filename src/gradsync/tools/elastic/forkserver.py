@@ -30,7 +30,7 @@ import warnings
 from ..._torch import OPTIMIZER_IMPORTS, cuda_fork_poisoned
 
 PRELOAD = ("torch", "torch.distributed", *OPTIMIZER_IMPORTS, "gradsync")
-_PR_SET_CHILD_SUBREAPER = 36
+_PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG = 36, 1
 
 
 def supported() -> bool:
@@ -115,6 +115,7 @@ def _serve(requests: int, replies: int) -> dict:
     """Fork a replica per request; return its request in the replica, and never in the server."""
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the launcher's group: the launcher decides
+        launcher = os.getppid()
         for name in PRELOAD:
             __import__(name)
         pending = b""
@@ -135,6 +136,10 @@ def _serve(requests: int, replies: int) -> dict:
                         os.close(fd)
                     os.read(go_r, 1)  # a byte, or EOF if the server is gone: start as Popen's child would
                     os.close(go_r)
+                    # the launcher's child now: SIGTERM when it dies, even SIGKILLed, so that no replica outlives it
+                    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+                    if os.getppid() != launcher:  # it died before that
+                        os._exit(1)
                     return json.loads(line)
                 os.write(handoff_w, f"{replica}\n".encode())
                 os._exit(0)  # the replica is handed to the launcher, the subreaper
