@@ -160,6 +160,15 @@ def test_a_skip_in_the_window_a_replica_dies_after_committing_is_kept_too(tmp_pa
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+def test_a_replica_is_not_restarted_into_a_job_below_min_replicas(tmp_path):
+    """The launcher restarted it before the survivor failed the job, and it died of a MembershipError traceback."""
+    proc = launch(tmp_path, "--victim", "1", "--window", "1", "--point", "forward", replicas=2, min_replicas=2,
+                  max_restarts=1)
+    assert proc.returncode == 1
+    assert "replica 1 (restart 0) died with SIGKILL; fewer than --min-replicas 2 remain, not restarting" in proc.stderr
+    assert "restarting (1 of 1)" not in proc.stderr and "replica 1 (restart 1)" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_the_survivors_exit_code_is_the_scripts_after_a_member_died(tmp_path):
     """A replica that held a dead member's group ends with os._exit (gloo would hold the interpreter's exit): it ended
     with 0 whatever the script gave sys.exit(), and gradsync run called the job a success."""

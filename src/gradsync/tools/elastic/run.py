@@ -250,6 +250,9 @@ def supervise(store, args, machine: int, hosting: bool, replicas: list[Replica],
                 print(f"{head}; the job failed, not restarting", file=sys.stderr)
             elif store.check([FINISHED]):
                 print(f"{head}; the job finished, not restarting", file=sys.stderr)
+            elif args.machines == 1 and sum(r.returncode is None for r in replicas) < args.min_replicas and store.check(
+                    [f"{P}/job/started"]):  # the survivors end the job: a restart would find it failed
+                print(f"{head}; fewer than --min-replicas {args.min_replicas} remain, not restarting", file=sys.stderr)
             elif rep.restart < args.max_restarts:
                 print(f"{head}; restarting ({rep.restart + 1} of {args.max_restarts})", file=sys.stderr)
                 rep.restart += 1
