@@ -62,8 +62,7 @@ def has_cpu_backend(group: dist.ProcessGroup) -> bool:
 
 
 def group_timeout(group: dist.ProcessGroup, device: torch.device) -> timedelta:
-    """The process group's own timeout for ``device``'s backend, else torch's default. Without it ``timeout=None``
-    would fall back to torch's 30-minute default even when the group was created with a shorter one."""
+    """The group's own timeout for ``device``'s backend, else torch's default (not its 30 minutes if shorter)."""
     try:
         return group._get_backend(device).options._timeout
     except (AttributeError, RuntimeError):
@@ -77,10 +76,9 @@ def default_first_bucket_bytes() -> int:
 
 @contextlib.contextmanager
 def active_ddp_module(module: Any, first_bucket_bytes: int) -> Iterator[None]:
-    """Inside, Dynamo's DDP optimizer splits compiled graphs at ``module.bucket_bytes_cap`` (``torch/_dynamo/
-    convert_frame.py`` reads ``TorchDDP._get_active_ddp_module()``) with ``first_bucket_bytes`` as the first cap
-    (``backends/distributed.py`` reads torch's default). Without it a compiled backward is one graph and every
-    bucket launches after it: no overlap."""
+    """Inside, Dynamo's DDP optimizer splits compiled graphs at ``module.bucket_bytes_cap`` and ``first_bucket_bytes``
+    (``convert_frame.py`` reads ``TorchDDP._get_active_ddp_module()``, ``backends/distributed.py`` torch's first cap).
+    Without it a compiled backward is one graph and every bucket launches after it: no overlap."""
     old, old_first = TORCH_DDP._active_ddp_module, dist._DEFAULT_FIRST_BUCKET_BYTES
     TORCH_DDP._active_ddp_module, dist._DEFAULT_FIRST_BUCKET_BYTES = module, first_bucket_bytes
     try:
@@ -273,7 +271,7 @@ __all__ = ["BatchNormBase", "Future", "caller_frame", "claim_amp_scaling", "comp
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_", "foreach_zero_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
            "post_accumulate_hooks", "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
-           "storage_base", "torch_function_disabled", "torch_function_stack", "unscale_grads_", "version"]
+           "recompile_forward", "storage_base", "torch_function_disabled", "torch_function_stack", "unscale_grads_", "version"]
 
 
 def to_kwargs(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
@@ -283,19 +281,16 @@ def to_kwargs(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple,
     return moved[0], moved_kwargs[0]
 
 
-# The base class of BatchNorm1d/2d/3d and SyncBatchNorm (running statistics change per call):
-# Chunked refuses to split such a module, whose chunked statistics would differ from one call's.
+# BatchNorm1d/2d/3d's and SyncBatchNorm's base: Chunked refuses them (chunked statistics differ from one call's)
 BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
 
 
-def is_registered(group: dist.ProcessGroup) -> bool:
-    """Whether ``group`` is still one of torch's live process groups (not destroyed or detached)."""
+def is_registered(group: dist.ProcessGroup) -> bool:  # one of torch's live groups (not destroyed or detached)
     return group in dist.distributed_c10d._world.pg_map
 
 
 def abort_group(group: Any) -> None:
-    """Abort ``group``'s communicators (NCCL: ``ncclCommAbort``), so a kernel waiting on a dead peer releases its
-    stream; a group that cannot be aborted is left as it is."""
+    """Abort ``group``'s communicators (NCCL: ``ncclCommAbort``): a kernel waiting on a dead peer frees its stream."""
     abort = getattr(group, "abort", None)
     if callable(abort):
         try:
@@ -304,15 +299,20 @@ def abort_group(group: Any) -> None:
             pass
 
 
+def recompile_forward(module: Any) -> None:
+    """Drop Dynamo's graphs of ``module``'s forward (compiled before wrapping or not): its next call compiles again."""
+    if (dynamo := sys.modules.get("torch._dynamo")) is not None:
+        dynamo.reset_code(type(getattr(module, "_orig_mod", module)).forward.__code__)
+
+
 def default_store() -> Any:  # the default group's store: a replacement group can rendezvous on it
     return dist.distributed_c10d._get_default_store()
 
 
 def detach_default_group() -> Any:
-    """Unregister torch's default process group without shutting it down; return it (or None). Elastic membership
-    (``elastic/membership.py``) replaces the default group when a member leaves. ``destroy_process_group`` would
-    shut the old group down, which joins its worker threads, and a thread whose collective waits on a member that
-    stopped sending blocks until gloo's timeout. The caller keeps the group referenced: its destructor must not run."""
+    """Unregister torch's default group without shutting it down (``elastic/membership.py``); return it (or None).
+    Shutting it down joins its threads, and one waiting on a member that stopped sending blocks until gloo's
+    timeout. The caller keeps the group referenced: its destructor must not run."""
     if not dist.is_initialized():
         return None
     c10d = dist.distributed_c10d

@@ -285,27 +285,38 @@ class Wide(Net):
         super().__init__(width=512, depth=4)  # 1 MiB per layer: caps 1, 4 and 16 MiB plan distinct buckets
 
 
-def auto_under_compile(rank, world_size):
-    model, run = build("outer", gradsync.DDP, Wide(), bucket_cap_mb="auto")
-    seen = []
-    for x, y in batches(16, world_size):
+def auto_under_compile(rank, world_size, form):
+    from torch._dynamo.backends import distributed as dynamo_ddp
+    splits, compile_fn = [], dynamo_ddp.DDPOptimizer.compile_fn
+
+    def recorded(self, gm, example_inputs):  # each compile's split count, as Dynamo's DDP optimizer plans it
+        result = compile_fn(self, gm, example_inputs)
+        splits.append(len(self.buckets))
+        return result
+    dynamo_ddp.DDPOptimizer.compile_fn = recorded
+    model, run = build(form, gradsync.DDP, Wide(), bucket_cap_mb="auto")
+    seen, after = [], 0
+    for x, y in batches(20, world_size):
         if model.bucket_choice is not None:
-            break
+            after += 1
+            if after > 2:
+                break
         F.mse_loss(run(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
         model.zero_grad(set_to_none=True)
         # Dynamo's DDP optimizer splits graphs at bucket_bytes_cap: it must be the cap in use now
         seen.append((model.bucket_bytes_cap, int(model.reducer.store.caps[0] * MiB)))
-    return seen, model.bucket_choice, model.bucket_bytes_cap
+    dynamo_ddp.DDPOptimizer.compile_fn = compile_fn
+    return seen, model.bucket_choice, model.bucket_bytes_cap, splits, len(model.reducer.buckets)
 
 
-def test_auto_cap_under_compile_offers_dynamo_the_cap_in_use():
-    """What Dynamo reads when it compiles a frame is the cap in use; the graph it compiled keeps its splits (Dynamo
-    does not guard on the cap: choosing.md)."""
-    for seen, choice, final in run_ranks(auto_under_compile, 2, timeout=300, pg_timeout=COMPILING):
-        assert choice is not None
+@pytest.mark.parametrize("form", ["outer", "inner"])
+def test_auto_cap_under_compile_splits_the_graph_at_its_choice(form):
+    """Dynamo reads the cap only when it compiles a frame: the graph kept the first forward's splits. Once "auto"
+    chose, the forward compiles once more, split at the chosen cap."""
+    for seen, choice, final, splits, buckets in run_ranks(auto_under_compile, 2, form, timeout=300, pg_timeout=COMPILING):
+        assert choice is not None and final == int(choice["bucket_cap_mb"] * MiB)
         assert all(split == used for split, used in seen), seen
-        assert len({used for _, used in seen}) > 1  # "auto" tried several caps
-        assert final == int(choice["bucket_cap_mb"] * MiB)
+        assert len(splits) == 2 and splits[-1] == buckets, (splits, buckets)  # one recompile, at the choice
 
 
 def test_chunked_dropout_under_inductor_recomputes_the_forwards_mask():
