@@ -13,7 +13,6 @@ Dynamo's import (``process.skip_in_dynamo``): constructing a wrapper does not im
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 from .. import process
@@ -22,16 +21,14 @@ from .._torch import active_ddp_module, recompile_forward
 MiB = 1024 * 1024
 
 
-@contextlib.contextmanager
-def active_ddp(wrapper: Any, first_bucket_bytes: int) -> Iterator[None]:
+def active_ddp(wrapper: Any, first_bucket_bytes: int) -> contextlib.AbstractContextManager:
     """``active_ddp_module``; once ``bucket_cap_mb="auto"`` chose, the module's forward compiles once more: Dynamo
     reads the cap only when it compiles a frame (no guard), and the graph would keep the first forward's splits."""
     auto = wrapper.reducer.auto_caps
     if auto is not None and auto.choice is not None and wrapper.__dict__.get("split_at") is not auto.choice:
         wrapper.__dict__["split_at"] = auto.choice
         recompile_forward(wrapper.module)
-    with active_ddp_module(wrapper, first_bucket_bytes):
-        yield
+    return active_ddp_module(wrapper, first_bucket_bytes)
 
 
 def skip_wrapper_frames() -> None:
