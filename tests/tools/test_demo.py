@@ -24,7 +24,8 @@ def test_demo_trains_matches_one_process_and_plots(tmp_path, capfd):
 def test_demo_rejects_windows_that_do_not_divide_the_data():
     with pytest.raises(SystemExit):
         demo.parse_args(["--samples", "100", "--batch", "32", "--accum", "4"])
-    for bad in (["--batch", "0"], ["--samples", "0"], ["--batch", "-64"], ["--backend", "nccl"]):  # were tracebacks
+    for bad in (["--batch", "0"], ["--samples", "0"], ["--batch", "-64"], ["--backend", "nccl"],  # were tracebacks
+                ["--nproc", "1"], ["--elastic", "--accum", "8"]):  # claimed reductions avoided; ignored silently
         with pytest.raises(SystemExit):
             demo.parse_args(bad)
 

@@ -240,8 +240,13 @@ def parse_args(argv=None):
     p.add_argument("--elastic", action="store_true", help="3 replicas under `gradsync run`; one is SIGKILLed "
                    "mid-run and rejoins (tools/elastic/demo.py)")
     args = p.parse_args(argv)
+    given = {k for k, v in vars(args).items() if v != p.get_default(k)} - {"elastic", "out"}
+    if args.elastic and given:
+        p.error("--elastic runs a fixed job (3 replicas, one SIGKILLed and restarted): it takes --out only")
     if min(args.nproc, args.accum, args.epochs, args.samples, args.batch) < 1:
         p.error("--nproc, --accum, --epochs, --samples and --batch must be at least 1")
+    if args.nproc < 2 and "RANK" not in os.environ:  # one rank reduces nothing: the demo's numbers would mislead
+        p.error("--nproc must be at least 2: a data-parallel demo needs two ranks")
     if args.backend == "nccl" and "RANK" not in os.environ:  # the local ranks are forked gloo ranks
         p.error("--backend nccl needs a launcher that sets RANK (torchrun -m gradsync.tools.demo --backend nccl)")
     if args.samples % (args.batch * args.accum):

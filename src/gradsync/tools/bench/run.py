@@ -161,8 +161,8 @@ def parse_args(argv=None):
                    help="comma separated model kinds to time: mlp,gpt (default both)")
     p.add_argument("--accum", type=lambda s: [int(x) for x in s.split(",")], default=None,
                    help="accumulation steps to time, comma separated (default 1,4)")
-    p.add_argument("--warmup", type=int, default=0, help="warm-up windows per engine (default 2)")
-    p.add_argument("--reps", type=int, default=0, help="timed windows per engine (default 11)")
+    p.add_argument("--warmup", type=int, default=0, help="warm-up windows per engine (default 2; 1 with --quick)")
+    p.add_argument("--reps", type=int, default=0, help="timed windows per engine (default 11; 2 with --quick)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0)
     p.add_argument("--skip", default="", help="comma separated parts to skip: models,overhead,buckets,sweep,memory")
     p.add_argument("--out", default="benchmarks/results", help="directory for the report and plots")
