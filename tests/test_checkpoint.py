@@ -143,6 +143,22 @@ for _name, _wrapper in (("ddp", gradsync.DistributedDataParallel), ("sharded", g
             accumulator_build(_wrapper, _each), accumulator_micro_step, accumulator_save, accumulator_load)
         SETUPS[f"{_name}_bf16_accumulator{'_sync_each_batch' if _each else ''}"] = Setup(
             accumulator_build(_wrapper, _each, bf16=True), accumulator_micro_step, accumulator_save, accumulator_load)
+def unused_each_batch_build(rank):
+    model = gradsync.DDP(Branchy(seed=rank), find_unused_parameters=True, **CAPS)
+    acc = gradsync.GradientAccumulator(model, steps=2, sync_each_batch=True)
+    return model, (acc, acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)))
+
+
+def unused_each_batch_micro_step(model, bundle, x, y, syncs):
+    acc, opt = bundle
+    with acc.accumulate():  # "a" only in the window's first micro-step: its .grad is then a synced average, unused
+        acc.backward(F.mse_loss(model(x, syncs), y))
+        opt.step()
+        opt.zero_grad()
+
+
+SETUPS["ddp_unused_accumulator_sync_each_batch"] = Setup(unused_each_batch_build, unused_each_batch_micro_step,
+                                                         accumulator_save, accumulator_load)
 SETUPS["ddp_views_accumulator_sync_each_batch"] = Setup(accumulator_build(
     gradsync.DistributedDataParallel, True, gradient_as_bucket_view=True), accumulator_micro_step, accumulator_save,
     accumulator_load)
@@ -171,7 +187,7 @@ def run_plan(rank, world_size, setup_name, start, stop, directory):
 
 @pytest.mark.parametrize("setup_name,world_size", [(name, 2) for name in SETUPS]
                          + [("ddp_rebuilt_buckets", 3), ("ddp_views_accumulator_sync_each_batch", 3),
-                            ("ddp_views_accumulator", 3)])  # 3 ranks: ring sums depend on layout; x / 3 != x * (1 / 3)
+                            ("ddp_views_accumulator", 3), ("ddp_unused_accumulator_sync_each_batch", 3)])  # 3 ranks: ring sums depend on layout; x / 3 != x * (1 / 3)
 @pytest.mark.parametrize("split", [4, 5], ids=["boundary", "mid_window"])
 def test_resume_is_bit_identical(setup_name, world_size, split, tmp_path):
     whole, whole_layouts = zip(*run_ranks(run_plan, world_size, setup_name, 0, len(PLAN), None))

@@ -13,7 +13,8 @@ from torch import nn
 
 from ..engine.checks import is_view_of
 
-_KEYS = {"gradients", "bucket_order", "main_grads", "main_written", "bucket_caps", "trees", "world_size", "views", "lent"}
+_KEYS = {"gradients", "bucket_order", "main_grads", "main_written", "bucket_caps", "trees", "world_size", "views", "lent",
+         "used"}
 
 
 def holds_window(state: dict[str, Any]) -> bool:
@@ -28,7 +29,8 @@ def grad_state(reducer: Any) -> dict[str, Any]:
     state = {"gradients": {name: p.grad.detach().clone() for name, p in zip(reducer.names, reducer.params)
                            if p.grad is not None},
              "bucket_order": None if order is None else [reducer.names[i] for i in order],
-             "world_size": reducer.world_size}
+             "world_size": reducer.world_size,
+             "used": [n for n, used in zip(reducer.names, reducer.window_used) if used]}  # the rest holds synced ones
     if getattr(store, "grad_as_view", False) and store.main is None:  # which .grad were views, and which lent
         state["views"] = [n for n, p, v in zip(reducer.names, reducer.params, store.views) if is_view_of(p.grad, v)]
         state["lent"] = [reducer.names[i] for i in sorted(store.lent)]
@@ -75,6 +77,8 @@ def load_grad_state(reducer: Any, state: dict[str, Any]) -> None:
             p.grad = store.views[i].copy_(p.grad)
     if views:
         store.lent = {i for i, name in enumerate(names) if name in set(state.get("lent", ()))}
+    if "used" in state and hasattr(store, "restored_synced"):  # sync_each_batch: an average, not this window's own
+        store.restored_synced = {i for i, name in enumerate(names) if name in grads and name not in set(state["used"])}
     main = state.get("main_grads", {})
     if main and store.main is None:
         raise ValueError("gradsync: this gradient state holds reduce_dtype accumulation buffers "

@@ -46,6 +46,7 @@ class BucketStore:
         self.views: list[torch.Tensor] = []
         self.view_ptrs: list[int] = []  # each view's data_ptr(): is ``.grad`` the view (is_view_of), read once
         self.lent: set[int] = set()  # .grad made its view by a local backward, where torch's is autograd's tensor
+        self.restored_synced: set[int] = set()  # .grad loaded mid-window that a synced backward wrote: not local
         self.bucket_of = [0] * len(params)
         self._build(plan_buckets(params, *caps))
         self.main, self.graphs = None, Graphs()
@@ -261,7 +262,8 @@ class BucketStore:
 
     def has_local_grad(self, i: int) -> bool:
         """Parameter ``i`` holds a gradient of this rank (in ``.grad`` or its window slot)."""
-        return self.params[i].grad is not None or (self.main is not None and not self.main.fresh[i])
+        return (self.params[i].grad is not None and i not in self.restored_synced) or (
+            self.main is not None and not self.main.fresh[i])
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """The tensors holding gradients (``.grad`` and, with ``reduce_dtype``, the buckets), once each."""
@@ -298,6 +300,8 @@ class BucketStore:
 
     def begin_backward(self, syncing: bool) -> None:
         """A backward starts: a local one with views counts each bucket's members in again (local_ready)."""
+        if self.restored_synced:  # read once, at the first backward after a load (grad_state.py)
+            self.restored_synced = set()
         if not syncing and self.adopts_views:
             for b in self.buckets:
                 b.pending, b.fresh = len(b.members), []
