@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--skip", action="append", default=[], help="REPLICA,WINDOW,MICRO_STEP: that replica skips "
                         "that micro-step (acc.skip)")
     parser.add_argument("--exit-code", type=int, default=0, help="sys.exit() with it at the end")
+    parser.add_argument("--raise-exit", action="store_true", help="raise SystemExit(--exit-code) instead")
     parser.add_argument("--delay", action="store_true", help="delay_all_reduce_named_params: the last layer's")
     parser.add_argument("--spare", action="store_true", help="a parameter the forward never uses")
     parser.add_argument("--audit", action="store_true", help="gradsync.audit after each window's step (point audit: "
@@ -320,6 +321,8 @@ def main() -> None:
                 "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
                 "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict(),
                 "memory": memory, "audits": audits}, os.path.join(args.out, f"{me}.pt"))
+    if args.exit_code and args.raise_exit:
+        raise SystemExit(args.exit_code)
     if args.exit_code:
         sys.exit(args.exit_code)
 

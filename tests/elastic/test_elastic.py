@@ -169,12 +169,13 @@ def test_a_replica_is_not_restarted_into_a_job_below_min_replicas(tmp_path):
     assert "restarting (1 of 1)" not in proc.stderr and "replica 1 (restart 1)" not in proc.stderr, proc.stderr[-3000:]
 
 
-def test_the_survivors_exit_code_is_the_scripts_after_a_member_died(tmp_path):
+@pytest.mark.parametrize("how", ["sys.exit", "raise"])
+def test_the_survivors_exit_code_is_the_scripts_after_a_member_died(tmp_path, how):
     """A replica that held a dead member's group ends with os._exit (gloo would hold the interpreter's exit): it ended
-    with 0 whatever the script gave sys.exit(), and gradsync run called the job a success."""
+    with 0 whatever the script gave sys.exit() or raised, and gradsync run called the job a success."""
     argv = ["run", "--replicas", "3", "--min-replicas", "2", "--max-restarts", "0", str(SCRIPT), "--out", str(tmp_path),
             "--windows", str(WINDOWS), "--steps", str(STEPS), "--victim", "2", "--window", "3", "--point", "forward",
-            "--exit-code", "3"]  # from a new interpreter, as a user starts it: a fork of this one exits otherwise
+            "--exit-code", "3", *(["--raise-exit"] if how == "raise" else [])]  # a new interpreter, as a user starts it
     proc = subprocess.run([sys.executable, "-m", "gradsync.tools.cli", *argv], capture_output=True, text=True,
                           timeout=150)
     assert proc.returncode == 1, proc.stderr[-3000:]

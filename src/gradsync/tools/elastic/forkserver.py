@@ -178,5 +178,8 @@ def _run(argv: list[str], env: dict[str, str]) -> None:
         sys.modules["numpy"].random.seed()
     sys.argv = list(argv)
     sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-    runpy.run_path(argv[0], run_name="__main__")
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as exc:  # the script's own raise, through sys.exit: an elastic replica's Liveness records it
+        sys.exit(exc.code)
     raise SystemExit(0)
