@@ -439,3 +439,17 @@ def test_replicas_end_with_a_launcher_that_is_sigkilled(tmp_path):
         for p in tmp_path.glob("pid-*"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(p.read_text()), signal.SIGKILL)
+
+
+def test_a_coordinator_address_where_no_store_answers_ends_within_the_bound(monkeypatch):
+    """A program that accepts and never answers (not a store) held the launcher for good: the store client's
+    handshake has no bound of its own."""
+    from gradsync.tools.elastic import coordinator
+    monkeypatch.setattr(coordinator, "CONNECT_S", 2.0)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        start = time.monotonic()
+        with pytest.raises(SystemExit, match="nothing answered as a coordinator"):
+            coordinator.bounded_connect(f"127.0.0.1:{listener.getsockname()[1]}")
+        assert time.monotonic() - start < 30

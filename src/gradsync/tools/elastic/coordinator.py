@@ -15,6 +15,7 @@ import argparse
 import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from datetime import timedelta
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID, P, connect
 from gradsync.elastic.membership import STALE, Heartbeats
 DRAIN_S = 60.0  # after the job ended, how long to wait for replicas to end before exiting anyway
+CONNECT_S = 60.0  # gradsync run: how long a launcher waits for the coordinator (hosted by a launcher maybe later)
 
 
 def host_store(host: str, port: int) -> tuple[dist.TCPStore, socket.socket]:
@@ -41,6 +43,62 @@ def host_store(host: str, port: int) -> tuple[dist.TCPStore, socket.socket]:
         sock.close()
         raise
     return store, sock
+
+
+def bounded_connect(coordinator: str | None) -> tuple[dist.TCPStore, str, socket.socket | None]:
+    """``reach`` within ``CONNECT_S`` (and a few seconds): a listener that is no store accepts and never answers,
+    and the store client's handshake has no bound of its own."""
+    done: list = []
+    thread = threading.Thread(target=lambda: done.append(_outcome(reach, coordinator)), daemon=True)
+    thread.start()
+    thread.join(CONNECT_S + 5)
+    if not done:
+        raise SystemExit(f"gradsync run: nothing answered as a coordinator at {coordinator} within {CONNECT_S + 5:g} s "
+                         "(is another program listening there?)")
+    if isinstance(done[0], BaseException):
+        raise done[0]
+    return done[0]
+
+
+def _outcome(fn, *args):  # fn's result, or the exception it raised
+    try:
+        return fn(*args)
+    except BaseException as exc:  # noqa: B036 - re-raised in the caller's thread
+        return exc
+
+
+def reach(coordinator: str | None) -> tuple[dist.TCPStore, str, socket.socket | None]:
+    """Host or join the coordinator store; return it, its address and, where this process hosts it, the
+    socket its server listens on (keep it open)."""
+    if coordinator is None:
+        store, sock = host_store("127.0.0.1", 0)
+        return store, f"127.0.0.1:{store.port}", sock
+    if coordinator.startswith("etcd://"):  # an etcd cluster holds it: no launcher hosts anything
+        return connect(coordinator, timedelta(seconds=CONNECT_S)), coordinator, None
+    host, _, port_text = coordinator.rpartition(":")
+    port = int(port_text)
+    try:
+        socket.gethostbyname(host)
+    except OSError as exc:  # the store's client would retry the lookup for a minute, then raise from C++
+        raise SystemExit(f"gradsync run: --coordinator {coordinator}: cannot resolve {host!r} ({exc})") from None
+    # only try to host it where HOST names this machine; otherwise every machine would host its own store
+    if _is_local(host):
+        try:
+            store, sock = host_store(socket.gethostbyname(host), port)
+            return store, coordinator, sock
+        except (RuntimeError, OSError):
+            pass  # another launcher on this machine hosts it
+    # the client retries connecting until its timeout: the host's launcher may start later
+    return connect(coordinator, timedelta(seconds=CONNECT_S)), coordinator, None  # its calls bounded too
+
+
+def _is_local(host: str) -> bool:
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((socket.gethostbyname(host), 0))
+        return True
+    except OSError:
+        return False
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -20,20 +20,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
-
-import torch.distributed as dist
 
 from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID, P
-from gradsync.elastic.identity import connect as connect_store
 from gradsync.elastic.membership import STALE, Heartbeats
-from gradsync.tools.elastic.coordinator import host_store
+from gradsync.tools.elastic.coordinator import CONNECT_S, bounded_connect
 from gradsync.tools.elastic.forkserver import Forked, ForkServer, supported
 
 POLL_S = 0.02  # a death is on the critical path of recovery: report it within tens of ms
@@ -42,7 +37,6 @@ GRACE_S = 5.0  # SIGTERM, then SIGKILL after this long
 # a replica stopped by a signal (SIGSTOP) this long is killed: the launcher beats for its machine, so the others'
 # heartbeat check cannot tell it from a live one (elastic/membership.py: the same 5 s a silent machine gets)
 STOPPED_S = 5.0
-CONNECT_S = 60.0
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -77,40 +71,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     elif args.machines > 1:
         parser.error("--machines > 1 needs --coordinator HOST:PORT")
     return args
-
-
-def connect(coordinator: str | None) -> tuple[dist.TCPStore, str, socket.socket | None]:
-    """Host or join the coordinator store; return it, its address and, where this process hosts it, the
-    socket its server listens on (keep it open)."""
-    if coordinator is None:
-        store, sock = host_store("127.0.0.1", 0)
-        return store, f"127.0.0.1:{store.port}", sock
-    if coordinator.startswith("etcd://"):  # an etcd cluster holds it: no launcher hosts anything
-        return connect_store(coordinator, timedelta(seconds=CONNECT_S)), coordinator, None
-    host, _, port_text = coordinator.rpartition(":")
-    port = int(port_text)
-    try:
-        socket.gethostbyname(host)
-    except OSError as exc:  # the store's client would retry the lookup for a minute, then raise from C++
-        raise SystemExit(f"gradsync run: --coordinator {coordinator}: cannot resolve {host!r} ({exc})") from None
-    # only try to host it where HOST names this machine; otherwise every machine would host its own store
-    if _is_local(host):
-        try:
-            store, sock = host_store(socket.gethostbyname(host), port)
-            return store, coordinator, sock
-        except (RuntimeError, OSError):
-            pass  # another launcher on this machine hosts it
-    # the client retries connecting until its timeout: the host's launcher may start later
-    return connect_store(coordinator, timedelta(seconds=CONNECT_S)), coordinator, None  # its calls bounded too
-
-
-def _is_local(host: str) -> bool:
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((socket.gethostbyname(host), 0))
-        return True
-    except OSError:
-        return False
 
 
 @dataclass
@@ -165,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace, server: ForkServer | None) -> None:
-    store, address, sock = connect(args.coordinator)
+    store, address, sock = bounded_connect(args.coordinator)
     hosting = sock is not None
     store.compare_set(JOB_ID, "", os.environ.get("GRADSYNC_JOB_ID") or uuid.uuid4().hex[:12])  # the first one's
     machine = store.add("gradsync/machines", 1) - 1
