@@ -76,9 +76,11 @@ def load_grad_state(reducer: Any, state: dict[str, Any]) -> None:
         if name in views and p.grad is not None:  # a view again: averaged as it would have been (bucket.average)
             p.grad = store.views[i].copy_(p.grad)
     if views:
-        store.lent = {i for i, name in enumerate(names) if name in set(state.get("lent", ()))}
+        lent = set(state.get("lent", ()))
+        store.lent = {i for i, name in enumerate(names) if name in lent}
     if "used" in state and hasattr(store, "restored_synced"):  # sync_each_batch: an average, not this window's own
-        store.restored_synced = {i for i, name in enumerate(names) if name in grads and name not in set(state["used"])}
+        used = set(state["used"])
+        store.restored_synced = {i for i, name in enumerate(names) if name in grads and name not in used}
     main = state.get("main_grads", {})
     if main and store.main is None:
         raise ValueError("gradsync: this gradient state holds reduce_dtype accumulation buffers "

@@ -162,19 +162,17 @@ class BucketStore:
             for k in fresh:
                 self.params[members[k]].grad = views[k]
         if divide:
-            copied = set(fresh) if len(fresh) < len(members) else None  # with views: the others already were .grad
-            if self.lent:  # a lent view counts as copied: torch's .grad was autograd's own tensor
-                if copied is not None:
-                    lent = {k for k, i in enumerate(members) if i in self.lent}
-                    small, copied = [k for k in range(len(members)) if k in lent or k in copied and k not in large], \
-                        copied | lent
-                    copied = None if len(copied) == len(members) else copied
+            # with views, a .grad that already was its slot is divided in place, as torch's; one a local backward
+            # lent (torch's was autograd's own tensor) is scaled with the copies
+            kept = set() if len(fresh) == len(members) else \
+                {k for k, i in enumerate(members) if i not in self.lent}.difference(fresh)
+            if self.lent:
                 self.lent.difference_update(members)
-            if not large and copied is None:  # bucket.average's first case, here: a file fewer on the trip
+            if not large and not kept:  # bucket.average's first case, here: a file fewer on the trip
                 bucket.buffer.mul_(1.0 / self.world_size)
             else:
-                bucket.average(self.world_size, [views[k] for k in small] if large or copied else None,
-                               [v for k, v in enumerate(views) if k not in copied] if copied is not None else [])
+                scaled = [v for k, v in enumerate(views) if k not in large and k not in kept]
+                bucket.average(self.world_size, scaled if scaled or large else None, [views[k] for k in sorted(kept)])
 
     def keep_local(self, i: int) -> None:
         """Unsynced backward: keep parameter ``i``'s gradient for the next synced one (with views, in its slot)."""
