@@ -69,11 +69,8 @@ class TreeStore(BucketStore):
         """Put the window's tree total into the slot (divided by a power-of-two world size: exact). The
         tree stays until the reduction is written back: a commit protocol may reduce the window again."""
         if self.reductions is not None:
-            if not self.fired[i]:  # no gradient of this rank's in this micro-step
-                if unchanged(self.written[i], self.params[i].grad):
-                    self.params[i].grad = None  # the window's total so far: it stays in its reductions
-                else:  # .grad emptied or replaced since (zero_grad): a new window
-                    self.reductions[i] = TreeSum()
+            if not self.fired[i]:  # no gradient of this rank's in this micro-step: what its arrival would have done
+                self.before_accumulate(i)
             self.fired[i] = False
         grad = self.params[i].grad  # the window's only leaf when the tree is empty: it stays, apart from the bucket
         if self.trees[i] or (grad is not None and self.grad_as_view and self._is_slot(i, grad)):
