@@ -271,7 +271,7 @@ __all__ = ["BatchNormBase", "Future", "caller_frame", "claim_amp_scaling", "comp
            "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_", "foreach_zero_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
            "post_accumulate_hooks", "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
-           "recompile_forward", "storage_base", "torch_function_disabled", "torch_function_stack", "unscale_grads_", "version"]
+           "recompile_forward", "storage_base", "torch_function_disabled", "torch_function_stack", "unscale_grads_"]
 
 
 def to_kwargs(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:

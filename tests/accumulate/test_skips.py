@@ -5,7 +5,6 @@ raised in forward, one raised in the middle of backward (after later layers' gra
 accumulated), a NaN loss, ``acc.skip()``. Every rank's parameters are compared with one process
 trained on exactly the micro-batches that ran, and the ranks with each other, bit for bit.
 """
-import contextlib
 
 import pytest
 import torch

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradsync
-from gradsync.engine.autocap import (CANDIDATES_MB, LINK_TIE, ROUNDS, TIE, choose, choose_by_link, default_cap, distinct_layouts,
+from gradsync.engine.autocap import (CANDIDATES_MB, LINK_TIE, ROUNDS, choose, choose_by_link, default_cap, distinct_layouts,
                                    first_cap, fit_link, param_ready, predict_end, syncs_to_choose)
 from gradsync.engine.layout import MiB, plan_buckets
 from gradsync.tools.launch import run_ranks

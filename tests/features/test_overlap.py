@@ -1,7 +1,6 @@
 """overlap_optimizer: the optimizer steps bucket by bucket inside the synced backward."""
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import gradsync
