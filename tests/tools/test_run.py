@@ -411,9 +411,10 @@ def test_an_unknown_command_is_named(capsys):
     assert exit_.value.code == 0 and "commands:" in capsys.readouterr().out
 
 
-def test_replicas_end_with_a_launcher_that_is_sigkilled(tmp_path):
+@pytest.mark.parametrize("options", [[], ["--fresh-interpreters"]], ids=["forked", "fresh"])
+def test_replicas_end_with_a_launcher_that_is_sigkilled(tmp_path, options):
     """They ran on, orphaned (a GPU's memory with them)."""
-    proc = launch(tmp_path, ["--replicas", "2"], """
+    proc = launch(tmp_path, ["--replicas", "2", *options], """
     open(os.path.join(out, f"pid-{rid}"), "w").write(str(os.getpid()))
     time.sleep(600)
     """)

@@ -24,6 +24,7 @@ import json
 import os
 import runpy
 import signal
+import subprocess
 import sys
 import warnings
 
@@ -35,6 +36,22 @@ _PR_SET_CHILD_SUBREAPER, _PR_SET_PDEATHSIG = 36, 1
 
 def supported() -> bool:
     return sys.platform.startswith("linux") and hasattr(os, "fork")
+
+
+# argv: the launcher's pid, then the replica's command line. The death signal outlives the exec, so the replica
+# is a plain `python script.py` that still ends with its launcher (Popen's preexec_fn is unsafe with threads)
+_DIE_WITH_LAUNCHER = ("import ctypes, os, sys\n"
+                      f"ctypes.CDLL(None).prctl({_PR_SET_PDEATHSIG}, {int(signal.SIGTERM)}, 0, 0, 0)\n"
+                      "if os.getppid() != int(sys.argv[1]): os._exit(1)\n"
+                      "os.execv(sys.argv[2], sys.argv[2:])\n")
+
+
+def new_interpreter(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """``python *argv`` as the launcher's child, which (on Linux) gets SIGTERM when the launcher dies, even SIGKILLed."""
+    command = [sys.executable, *argv]
+    if supported():
+        command = [sys.executable, "-I", "-S", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *command]
+    return subprocess.Popen(command, env=env, start_new_session=True)
 
 
 class Forked:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from gradsync.elastic.identity import FAILED, FINISHED, JOB_ID, P
 from gradsync.elastic.membership import STALE, Heartbeats
 from gradsync.tools.elastic.coordinator import CONNECT_S, bounded_connect
-from gradsync.tools.elastic.forkserver import Forked, ForkServer, supported
+from gradsync.tools.elastic.forkserver import Forked, ForkServer, new_interpreter, supported
 
 POLL_S = 0.02  # a death is on the critical path of recovery: report it within tens of ms
 HEARTBEAT_S = 0.5
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, server: ForkServer | None) -> None:
         env = {**base_env, "GRADSYNC_REPLICA_ID": str(rid), "GRADSYNC_RESTART": str(restart)}
         if server is not None:
             return server.spawn([args.script, *args.args], env)
-        return subprocess.Popen([sys.executable, args.script, *args.args], env=env, start_new_session=True)
+        return new_interpreter([args.script, *args.args], env)
 
     received: list[int] = []
 
