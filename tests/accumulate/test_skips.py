@@ -395,3 +395,35 @@ def test_skips_inside_join_are_exact(mode, buffers):
     assert [s for s in results[1][1]] == [s for s in results[2][1]]
     for w, records in enumerate(results[1][1]):
         assert {(r, i) for (pw, i, r) in JOIN_FAULTS if pw == w} <= {(r, i) for r, i, _ in records}, (w, records)
+
+
+def step_inside_the_block(rank, world_size, after):
+    """README's loop with the optimizer's lines inside the block (or ``after`` it); the last rank skips window 0's
+    last micro-step."""
+    torch.manual_seed(0)
+    model = gradsync.DistributedDataParallel(nn.Linear(4, 2))
+    acc = gradsync.GradientAccumulator(model, steps=2)
+    opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for i, x in enumerate(acc.iterate([torch.randn(3, 4) for _ in range(4)])):
+        with acc.accumulate():
+            if i == 1 and rank == world_size - 1:
+                acc.skip("bad batch")
+            acc.backward(model(x).pow(2).mean())
+            if not after:
+                opt.step(); opt.zero_grad()
+        if after:
+            opt.step(); opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_skip_that_leaves_the_block_before_its_optimizer_step_raises_on_that_rank(world_size):
+    """A skip at a window's last micro-step leaves the block at once: the step and zero_grad written inside it did
+    not run on that rank, which then trained on while the others stepped (the replicas parted) or added the next
+    window onto this one's gradient."""
+    results = run_ranks(step_inside_the_block, world_size, False, timeout=60, return_errors=True)
+    text = str(results[-1])
+    assert "optimizer.step()" in text and "after the `with acc.accumulate():` block" in text, text
+    after = run_ranks(step_inside_the_block, world_size, True, timeout=60)
+    for p, q in zip(after[0], after[-1]):
+        assert torch.equal(p, q)

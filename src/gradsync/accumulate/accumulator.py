@@ -58,6 +58,7 @@ class GradientAccumulator(WindowClose):
             self._target.keep_window_apart()
         self.wrapped_optimizers, self.wrapped_schedulers = [], []  # sent to a replica that joins (elastic/join.py)
         self._boundary_done = -1  # the window boundary at_window_start() last ran at
+        self._owed: str | None = None  # a window this rank's skip closed: no wrapped step or zero_grad since
         self.noise = NoiseEstimates(model, noise_scale)  # the gradient noise scale and the window's norm (noise.py)
         if noise_scale and self._target is not None:
             if getattr(model, "sharded", False) or sync_each_batch:
@@ -91,6 +92,7 @@ class GradientAccumulator(WindowClose):
             raise RuntimeError("gradsync: accumulate() is already active; each micro-step enters it once "
                                "(do not nest accumulate() blocks)")
         if self._boundary:
+            self.data_ended()
             self.at_window_start()
             self._start_window()
             self.noise.start_window()
@@ -225,6 +227,23 @@ class GradientAccumulator(WindowClose):
             self._ran, self._units, self._items, self._sent = [], 0, None, (0.0, 0.0)
         if self._boundary:
             self._close(carried)
+            if self.wrapped_optimizers and not self.window_empty:
+                self._owed = f"window {self.windows - 1} closed with micro-step {step} skipped ({reason_of(exc)})"
+
+    def optimizer_acted(self) -> None:
+        """A wrapped optimizer's step or zero_grad ran where a window ends (``optim.py``)."""
+        self._owed = None
+
+    def data_ended(self) -> None:
+        """Before the next window, and where ``iterate`` runs out: refuse a closed window whose optimizer lines
+        this rank's skip jumped over (it would train on while the others stepped, or add the next window to it)."""
+        if self._owed is not None:
+            owed, self._owed = self._owed, None
+            raise RuntimeError(
+                f"gradsync: on this rank {owed}, and neither optimizer.step() nor optimizer.zero_grad() ran "
+                "after it: a skip leaves `with acc.accumulate():` at once, so the lines after it inside the block "
+                "do not run on the rank that skipped, while the other ranks step. Call optimizer.step(), "
+                "scheduler.step() and optimizer.zero_grad() after the `with acc.accumulate():` block.")
 
     # ---------------------------------------------------------------- wrappers
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

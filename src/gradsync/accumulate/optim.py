@@ -31,6 +31,7 @@ class WindowOptimizer(torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         if not self._acc.is_boundary or self._acc.window_empty:  # every micro-step skipped: no step
             return None
+        self._acc.optimizer_acted()
         # torch's GradScaler sets these on the optimizer it was given, for one that unscales and skips
         # itself (fused Adam/SGD): the wrapped one must see them, or it steps on scaled gradients
         scaling = {k: self.__dict__[k] for k in ("grad_scale", "found_inf") if k in self.__dict__}
@@ -43,6 +44,8 @@ class WindowOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._acc.may_zero():
+            if self._acc.is_boundary:
+                self._acc.optimizer_acted()
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:

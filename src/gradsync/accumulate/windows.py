@@ -106,6 +106,7 @@ class Windows:
         if micro_batches is not None:
             for batch in iterable:
                 yield from self.split(batch, micro_batches)
+            self.data_ended()
             return
         self.at_window_start()  # a replica that joins gets the members' state before its first item
         it = iter(iterable)
@@ -118,6 +119,10 @@ class Windows:
             current = following
         self._end_of_data = True
         yield current
+        self.data_ended()
+
+    def data_ended(self) -> None:
+        """Where the data runs out, after the last item's micro-step (``GradientAccumulator`` checks its window)."""
 
     def split(self, batch: Any, n: int | None = None) -> list[Any]:
         """Split ``batch`` along dim 0 into ``n`` (default ``steps``) micro-batches forming one window.

@@ -115,8 +115,8 @@ def train(rank: int, world_size: int, args) -> dict:
                     loss = F.cross_entropy(model(x), y)
                     synced += acc.sync_gradients
                     acc.backward(loss)
-                    opt.step()
-                    opt.zero_grad()
+                opt.step()
+                opt.zero_grad()
                 window_loss += loss.item() / args.accum
                 if acc.is_boundary:
                     losses.append(window_loss)
