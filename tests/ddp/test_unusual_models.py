@@ -345,3 +345,28 @@ def test_two_forwards_through_batchnorm_then_one_backward_like_torch(no_sync):
         assert_close_dicts(theirs[0], ours[0])
         if not no_sync:  # inside no_sync gradsync still broadcasts buffers, torch does not (docs/differences.md)
             assert_close_dicts(theirs[1], ours[1], atol=0, rtol=0)
+
+
+class Sliced(nn.Module):
+    """A parameter and a buffer that are every other column of a larger tensor (one stride apart, not dense), the
+    buffer updated in forward with each rank's own data."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.out = nn.Parameter(torch.randn(8, 2 * VOCAB)[:, ::2])
+        self.register_buffer("seen", torch.zeros(2, 2 * VOCAB)[:, ::2])
+
+    def forward(self, x):
+        logits = self.emb(x) @ self.out
+        with torch.no_grad():
+            self.seen += logits.detach().mean(0)
+        return logits
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_strided_slices_as_parameter_and_buffer_train_like_torch(view):
+    """Their broadcasts viewed the memory as bytes through a stride: a dtype-view error at construction."""
+    results = run_ranks(side_by_side, 2, Sliced, None, view, timeout=60)
+    assert_same_training(results)

@@ -142,7 +142,7 @@ def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, w
             if in_place and len(chunk) == 1 and chunk[0].is_contiguous():
                 wait(dist.broadcast(chunk[0].data, src=src, group=group, async_op=True))
                 continue
-            flat = torch.cat([_bytes(t.data.reshape(-1)) for t in chunk])
+            flat = torch.cat([_bytes(t.data.contiguous().reshape(-1)) for t in chunk])  # a strided slice: copied
             wait(dist.broadcast(flat, src=src, group=group, async_op=True))
             offset = 0
             for t in chunk:

@@ -32,7 +32,7 @@ BIG = 1 << 16  # words: a tensor this large is summed alone, smaller ones after 
 def words(t: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, bool]:
     """``t``'s bits as (int64 words from its first byte, or None; its last bytes that do not fill a word, or
     None; whether both view ``t``'s memory, rather than a copy)."""
-    flat = t.detach().reshape(-1).view(torch.uint8)
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)  # a strided slice: a copy, not live
     live = flat.storage_offset() % 8 == 0 and flat.data_ptr() == t.data_ptr()
     if not live:  # int64 views need 8-byte aligned memory: a copy starts aligned
         flat = flat.clone()
