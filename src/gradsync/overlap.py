@@ -82,6 +82,12 @@ class OverlappedStep:
     def _step_bucket(self, members: list[int]) -> None:
         if [len(g["params"]) for g in self.optimizer.param_groups] != self._sizes:
             self._map_groups()  # before any bucket steps: a parameter added since would never step
+        if self.stepped:  # stepping again would apply the first backward's gradient twice: no loop does that
+            raise RuntimeError(
+                "gradsync: a second synced backward before optimizer.step() (two losses backpropagated one after "
+                "the other, or a GAN's generator loss through the discriminator): with overlap_optimizer each "
+                "synced backward steps the optimizer, so the step would not see the gradients summed. Sum the "
+                "losses into one backward, run the earlier ones under model.no_sync(), or remove overlap_optimizer.")
         params = [self.reducer.params[i] for i in members]
         last = members[-1] == self.reducer.buckets[-1].members[-1]
         factor = self.rescale() if self.rescale is not None else 1.0

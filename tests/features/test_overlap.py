@@ -148,6 +148,8 @@ def misuse(rank, world_size, how):
             torch.nn.utils.clip_grad_value_(model.parameters(), 1.0)
         if how == "closure":
             opt.step(lambda: 0.0)
+        if how == "two_backwards":  # two losses (or a GAN's generator loss through the discriminator), one step
+            shard_backward(model, rank, world_size, x, y)
     return outcome(run)
 
 
@@ -160,6 +162,7 @@ def misuse(rank, world_size, how):
     ("clip", "RuntimeError", "clip_grad_norm_ after a backward"),
     ("clip_value", "RuntimeError", "clip_grad_value_ after a backward"),
     ("closure", "RuntimeError", "step(closure) cannot re-run it"),
+    ("two_backwards", "RuntimeError", "a second synced backward before optimizer.step()"),
 ])
 def test_what_cannot_be_split_per_bucket_raises(how, error, words):
     for kind, message, _ in faults(misuse, how):
