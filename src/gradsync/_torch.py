@@ -41,9 +41,9 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
     _engine.queue_callback(callback)
 
 
-def post_accumulate_hooks(param: torch.Tensor) -> Any:
-    """``param``'s ordered dict of post-accumulate-grad hooks: a hook taken out and put back costs two dict operations."""
-    return param._post_accumulate_grad_hooks
+def post_accumulate_hooks(param: torch.Tensor, pre: bool = False) -> Any:
+    """``param``'s ordered dict of post-accumulate-grad hooks (``pre``: of tensor hooks, run before AccumulateGrad)."""
+    return param._backward_hooks if pre else param._post_accumulate_grad_hooks
 
 
 def in_compiled_autograd() -> bool:

@@ -370,3 +370,32 @@ def test_strided_slices_as_parameter_and_buffer_train_like_torch(view):
     """Their broadcasts viewed the memory as bytes through a stride: a dtype-view error at construction."""
     results = run_ranks(side_by_side, 2, Sliced, None, view, timeout=60)
     assert_same_training(results)
+
+
+def hooked_after_wrapping(rank, world_size, view):
+    """A post-accumulate-grad hook registered after wrapping (per-rank gradient noise): torch's reducer runs after
+    AccumulateGrad's hooks whatever their order; gradsync's hook, registered first, ran before it."""
+    out = []
+    for wrap in (TorchDDP, gradsync.DDP):
+        torch.manual_seed(0)
+        model = wrap(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), gradient_as_bucket_view=view)
+        for p in model.module.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: [p.grad.mul_(2.0).add_(float(rank)), None][1])
+        history = []
+        for s in range(3):
+            torch.manual_seed(10 * s + rank)
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+            history.append(grads(model.module))
+            model.module.zero_grad()
+        out.append(history)
+    return out
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_post_accumulate_grad_hook_registered_after_wrapping_changes_the_reduced_gradient_as_in_torch(view):
+    results = run_ranks(hooked_after_wrapping, 2, view, timeout=60)
+    for theirs, ours in results:
+        for a, b in zip(theirs, ours):
+            assert_close_dicts(a, b)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert_close_dicts(a, b, atol=0, rtol=0)

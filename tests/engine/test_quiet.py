@@ -101,10 +101,10 @@ def with_a_user_hook(rank, world_size):
     return len(calls), [list(post_accumulate_hooks(p)) for p in model.parameters()], model.reducer.handles
 
 
-def test_a_users_hooks_run_in_every_backward_after_the_reducers():
+def test_a_users_hooks_run_in_every_backward_before_the_reducers():
     for count, keys, handles in run_ranks(with_a_user_hook, 2):
         assert count == 2 * 3 * 4  # windows x backwards x parameters
-        assert [k[0] for k in keys] == [h.id for h in handles]  # the reducer's first, as registered
+        assert [k[-1] for k in keys] == [h.id for h in handles]  # the reducer's last, as torch's after AccumulateGrad
 
 
 def create_graph_locally(rank, world_size):

@@ -13,7 +13,7 @@ import torch
 import gradsync
 from gradsync.tools.launch import run_ranks
 from bf16 import exact_window, loss_on, rel_err
-from helpers import batches, faults, mlp
+from helpers import batches, faults, mlp, outcome
 
 CAPS = dict(bucket_cap_mb=0.001, first_bucket_cap_mb=0.0005)  # several buckets on the small MLP
 TOL = 1e-6
@@ -216,3 +216,34 @@ def fp32_twins(rank, world_size):
 def test_float32_slots_of_a_float32_model_average_to_the_plain_bits_at_three_ranks():
     """Both scale a window's gradient by 1 / W (a division differs in the last bit at W=3)."""
     assert run_ranks(fp32_twins, 3) == [[0, 0, 0]] * 3
+
+
+def user_hooks(rank, world_size, kind):
+    """A float32 model with float32 slots: the slot takes each gradient in a tensor hook registered at wrapping."""
+    torch.manual_seed(0)
+    model = gradsync.DDP(torch.nn.Linear(4, 2), reduce_dtype=torch.float32)
+    for p in model.module.parameters():
+        if kind == "tensor":  # registered after wrapping: the gradient the reducer sees is the hook's, as in torch
+            p.register_hook(lambda g: g * 2)
+        else:
+            p.register_post_accumulate_grad_hook(lambda p: None)
+    torch.manual_seed(rank)
+    x = torch.randn(3, 4)
+    model(x).pow(2).sum().backward()
+    ref = torch.nn.Linear(4, 2)
+    ref.load_state_dict(model.module.state_dict())
+    ref(x).pow(2).sum().backward()
+    g = ref.weight.grad.clone()
+    torch.distributed.all_reduce(g)
+    return (model.module.weight.grad - 2 * g / world_size).abs().max().item()
+
+
+def test_a_tensor_hook_registered_after_wrapping_changes_the_reduced_gradient():
+    """The slot's hook ran first and took the gradient before the user's hook doubled it."""
+    assert run_ranks(user_hooks, 2, "tensor") == [0.0, 0.0]
+
+
+def test_a_post_accumulate_grad_hook_is_refused_at_the_forward():
+    """Its change to .grad reached no slot: the slot took the gradient before AccumulateGrad."""
+    for kind, message, _ in faults(lambda rank, world_size: outcome(lambda: user_hooks(rank, world_size, "post"))):
+        assert kind == "RuntimeError" and "register_post_accumulate_grad_hook" in message and "weight" in message, message

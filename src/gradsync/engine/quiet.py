@@ -31,6 +31,15 @@ GRAD = attrgetter("grad")
 LEND_BYTES = 16 * 1024
 
 
+def move_last(dicts: Sequence[Any], keys: Sequence[int], hooks: Sequence[Any]) -> None:
+    """Each ``hooks[k]`` last in ``dicts[k]``: autograd walks the plain dict's order, which ``move_to_end`` does not
+    change, so taken out and put back."""
+    for d, key, hook in zip(dicts, keys, hooks):
+        if len(d) > 1 and key in d and next(reversed(dict.keys(d))) != key:
+            del d[key]
+            d[key] = hook
+
+
 class QuietHooks:
     """The reducer's post-accumulate-grad hooks, taken out for the rest of a local backward and put back."""
 
@@ -68,14 +77,30 @@ class QuietHooks:
         self.muted = (dicts, keys, hooks) if dicts else ()
         return True
 
+    def keep_last(self, store: Any = None) -> None:
+        """Each hook after every other post-accumulate-grad hook of its parameter, as torch's reducer runs after
+        AccumulateGrad's: a hook the user registered after wrapping changes the gradient that is reduced. Between
+        backwards only (a dict autograd is walking must not change). ``store.main`` (``reduce_dtype``) takes each
+        gradient in a tensor hook, before AccumulateGrad: it stays after the user's tensor hooks, and refuses theirs
+        after AccumulateGrad, whose change to ``.grad`` no slot would see."""
+        main = getattr(store, "main", None)
+        if main is not None:
+            move_last(*main.pre_hooks)
+        if all(map((1).__eq__, map(len, self.dicts))):  # one C loop: no parameter has another hook
+            return
+        if main is not None:
+            name = main.names[next(i for i, d in enumerate(self.dicts) if len(d) > 1)]
+            raise RuntimeError(
+                f"gradsync: parameter {name!r} has a hook from register_post_accumulate_grad_hook; with reduce_dtype "
+                "each gradient is added into its main_grad slot before AccumulateGrad, so that hook's change to "
+                ".grad would not be reduced. Register it with param.register_hook (it then sees the gradient "
+                "first), or build the model without reduce_dtype.")
+        move_last(self.dicts, self.keys, self.hooks)
+
     def unmute(self) -> None:
         if self.muted:
             dicts, keys, hooks = self.muted
-            deque(map(setitem, dicts, keys, hooks), 0)
-            if not all(map((1).__eq__, map(len, dicts))):
-                for d, key in zip(dicts, keys):
-                    if len(d) > 1:  # registered since it was taken out: it ran first
-                        d.move_to_end(key, last=False)
+            deque(map(setitem, dicts, keys, hooks), 0)  # after any hook registered meanwhile (keep_last)
         self.muted, self.fresh = (), False
 
     def release(self) -> None:  # the hooks are about to be removed for good

@@ -46,8 +46,7 @@ class Reducer:
         self.params, self.names, self.config = list(params), list(names), config
         self.group, self.rank, self.world_size = process_group, dist.get_rank(process_group), dist.get_world_size(process_group)
         self.device, self.switch = self.params[0].device, weakref.ref(switch)  # the data plane's device
-        self.backward_check: Callable[[bool], None] | None = None  # inside model.join(): checks the sync flag
-        self.counters = Counters()
+        self.backward_check, self.counters = None, Counters()  # backward_check: model.join()'s look at the sync flag
         group, device = control_group(process_group, self.device)  # off CPU, a CPU group: no host syncs
         self.plane = ControlPlane(group, rank=self.rank, world_size=self.world_size, device=device,
                                   timeout=config.timeout, counters=self.counters, data_device=self.device)
@@ -89,6 +88,7 @@ class Reducer:
         self.config = replace(self.config, static_graph=True)
 
     def prepare_for_forward(self) -> None:
+        self.quiet.keep_last(self.store)
         if (unfinished := self.it).in_backward:  # the last backward raised before its end: drop its state
             if unfinished.syncing and unfinished.compiled_autograd:
                 raise RuntimeError(messages.COMPILED_AUTOGRAD_UNFINISHED)
