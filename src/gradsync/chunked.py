@@ -25,7 +25,9 @@ class Chunked(nn.Module):
 
     Every tensor argument whose dim 0 matches the first tensor argument's is split; other
     arguments go whole to every chunk. The module must treat rows independently (no BatchNorm in
-    training mode). Random ops (dropout) replay the same random numbers when recomputed.
+    training mode) and update no buffer in forward; every output tensor must have the chunk's rows
+    in dim 0, and other outputs must be equal in every chunk. Random ops (dropout) replay the same
+    random numbers when recomputed.
     """
 
     def __init__(self, module: nn.Module, chunks: int = 4):
@@ -36,6 +38,7 @@ class Chunked(nn.Module):
             raise ValueError(f"gradsync: chunks must be an integer >= 1, got {chunks!r}")
         self.module = module
         self.chunks = chunks
+        self._buffers_checked: set[bool] = set()  # training modes whose forward is known not to change buffers
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}"
@@ -63,7 +66,11 @@ class Chunked(nn.Module):
         plan = _Plan(self.module, spec, leaves, [i for i, _ in tensors],
                      [x.dim() > 0 and x.shape[0] == rows for _, x in tensors],
                      row_bounds(rows, min(self.chunks, rows)), params)
+        mode = self.module.training
+        # once per mode: comparing the buffers' values waits for the device
+        plan.check_buffers = mode not in self._buffers_checked
         outputs = _ChunkedFunction.apply(plan, *(x for _, x in tensors), *params)
+        self._buffers_checked.add(mode)
         return plan.rebuild_output(outputs)
 
     def _check_rows_independent(self) -> None:
@@ -92,6 +99,7 @@ class _Plan:
     out_spec: Any = None
     out_leaves: list[Any] = field(default_factory=list)  # non-tensor outputs, None at tensor slots
     out_is_tensor: list[bool] = field(default_factory=list)
+    check_buffers: bool = False
 
     def chunk_inputs(self, inputs: list[torch.Tensor], k: int) -> list[torch.Tensor]:
         start, length = self.bounds[k]
@@ -119,20 +127,22 @@ class _ChunkedFunction(torch.autograd.Function):
         plan.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
                          for d in ("cpu", "cuda") if d == "cpu" or devices]
         per_chunk: list[list[Any]] = []
+        last = len(plan.bounds) - 1
         for k in range(len(plan.bounds)):
             plan.rng.append(_rng_state(devices))
+            # the last chunk, not the first: a buffer set once (a lazy initialization) is not refused
+            before = _buffers(plan.module) if plan.check_buffers and k == last else None
             leaves, spec = plan.call(plan.chunk_inputs(inputs, k))
+            if before is not None:
+                _check_buffers_unchanged(plan.module, before, 2 * len(plan.bounds))
             if k == 0:
                 plan.out_spec = spec
                 plan.out_is_tensor = [isinstance(v, torch.Tensor) for v in leaves]
                 plan.out_leaves = [None if t else v for t, v in zip(plan.out_is_tensor, leaves)]
-                for v in leaves:
-                    if isinstance(v, torch.Tensor) and v.dim() == 0:
-                        raise ValueError("gradsync: a Chunked module must return tensors with a batch "
-                                         "dimension to stitch along; it returned a 0-dim tensor")
-            elif spec != plan.out_spec:
+            elif spec != plan.out_spec or plan.out_is_tensor != [isinstance(v, torch.Tensor) for v in leaves]:
                 raise ValueError("gradsync: the Chunked module returned differently structured outputs "
                                  "for different chunks")
+            _check_outputs(plan, k, leaves)
             per_chunk.append([v for v in leaves if isinstance(v, torch.Tensor)])
         outputs = tuple(torch.cat(parts) for parts in zip(*per_chunk))
         ctx.mark_non_differentiable(*(o for o in outputs if not (o.is_floating_point() or o.is_complex())))
@@ -195,6 +205,51 @@ class _ChunkedFunction(torch.autograd.Function):
         grads_it = iter(param_grads)
         result += [next(grads_it) if need else None for need in need_params]
         return tuple(result)
+
+
+def _check_outputs(plan: _Plan, k: int, leaves: list[Any]) -> None:
+    rows = plan.bounds[k][1]
+    for v, first in zip(leaves, plan.out_leaves):
+        if isinstance(v, torch.Tensor):
+            if v.dim() == 0 or v.shape[0] != rows:
+                got = ("a 0-dim tensor" if v.dim() == 0
+                       else f"a tensor of shape {tuple(v.shape)} for a chunk of {rows} rows")
+                raise ValueError(f"gradsync: a Chunked module must return tensors with a batch dimension to stitch "
+                                 f"along; it returned {got}. Return one row per input row, and reduce outside Chunked.")
+        elif k > 0 and not _equal(v, first):
+            raise ValueError(f"gradsync: the Chunked module returned a non-tensor output that differs between chunks "
+                             f"({first!r} in chunk 0, {v!r} in chunk {k}); Chunked cannot stitch it. Return it as a "
+                             "tensor with one row per input row, or compute it outside Chunked.")
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # an == without a truth value (an array): not known to be equal
+        return False
+
+
+def _buffers(module: nn.Module) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    return {name: (b, b.clone()) for name, b in module.named_buffers()}
+
+
+def _check_buffers_unchanged(module: nn.Module, before: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                             runs: int) -> None:
+    after = dict(module.named_buffers())
+    for name in sorted(before.keys() | after.keys()):
+        b, copy = before.get(name, (None, None))
+        if after.get(name) is not b or not _same_values(b, copy):
+            raise ValueError(f"gradsync: Chunked module changed its buffer '{name}' in forward; Chunked runs the "
+                             f"module twice per chunk (forward, then again in backward), so the buffer would be "
+                             f"updated {runs} times. Update it outside the Chunked part, or call eval() if it is "
+                             "only updated in training.")
+
+
+def _same_values(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    nan_is_nan = a.is_floating_point() or a.is_complex()  # an unchanged NaN is not == itself
+    return torch.equal(a, b) or (nan_is_nan and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True))
 
 
 def _storage(t: torch.Tensor) -> int:

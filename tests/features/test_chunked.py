@@ -1,5 +1,6 @@
 """Chunked: outputs and gradients equal the unchunked module's, alone and inside gradsync DDP."""
 import collections
+import dataclasses
 import gc
 import weakref
 
@@ -201,3 +202,132 @@ def test_under_ddp_with_two_ranks_and_no_sync_gradients_match_one_unchunked_proc
         assert len(history) == 2
         for got, expected in zip(history, want):
             assert_close_dicts({k.replace(".module.", "."): v for k, v in got.items()}, expected)
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    rows: int = dataclasses.field(init=False)  # set from x: rebuilt per chunk, not copied
+
+    def __post_init__(self):
+        self.rows = self.x.shape[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Out:
+    y: torch.Tensor
+    rows: int
+    extra: dict
+
+
+class Containers(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+
+    def forward(self, batch, table):
+        y = self.l(batch.x) + table["shift"]
+        return Out(y, batch.rows - batch.x.shape[0], collections.defaultdict(list, y2=y * 2))
+
+
+def test_dataclass_and_defaultdict_inputs_and_outputs_are_split_and_stitched():
+    g = torch.Generator().manual_seed(0)
+    x, shift = torch.randn(6, 8, generator=g), torch.randn(6, 8, generator=g)
+    outs, got = [], []
+    for chunks in (None, 3):
+        torch.manual_seed(0)
+        module = Containers()
+        xs, ss = x.clone().requires_grad_(), shift.clone().requires_grad_()
+        out = (gradsync.Chunked(module, chunks) if chunks else module)(
+            Batch(xs), collections.defaultdict(int, shift=ss))
+        assert type(out) is Out and type(out.extra) is collections.defaultdict and out.extra.default_factory is list
+        assert out.rows == 0 and out.extra["missing"] == []
+        (out.y.sin().sum() + out.extra["y2"].square().sum()).backward()
+        outs.append(out)
+        got.append({**grads(module), "x": xs.grad, "shift": ss.grad})
+    torch.testing.assert_close(outs[1].y, outs[0].y)
+    assert_close_dicts(got[1], got[0])
+
+
+def test_hugging_face_model_outputs_are_stitched():
+    modeling_outputs = pytest.importorskip("transformers.modeling_outputs")
+
+    class Head(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return modeling_outputs.BaseModelOutput(last_hidden_state=self.l(x), hidden_states=(x, self.l(x)))
+
+    torch.manual_seed(0)
+    module, x = Head(), torch.randn(6, 8)
+    plain, chunked = module(x), gradsync.Chunked(module, 3)(x)
+    assert type(chunked) is type(plain) and list(chunked.keys()) == list(plain.keys())
+    torch.testing.assert_close(chunked.last_hidden_state, plain.last_hidden_state)
+    torch.testing.assert_close(chunked["hidden_states"][1], plain.hidden_states[1])
+    assert chunked.last_hidden_state.requires_grad and chunked.attentions is None
+
+
+class Returns(nn.Module):
+    def __init__(self, extra):
+        super().__init__()
+        self.l, self.extra = nn.Linear(8, 8), extra
+
+    def forward(self, x):
+        y = self.l(x)
+        return y, self.extra(self, x, y)
+
+
+@pytest.mark.parametrize("extra,shape", [(lambda m, x, y: y.square().mean().reshape(1), r"\(1,\)"),
+                                         (lambda m, x, y: m.l.weight, r"\(8, 8\)")])
+def test_outputs_without_the_chunks_rows_are_refused(extra, shape):
+    with pytest.raises(ValueError, match=rf"batch dimension to stitch along; it returned a tensor of shape {shape} "
+                                         r"for a chunk of 2 rows"):
+        gradsync.Chunked(Returns(extra), 4)(torch.randn(8, 8))
+
+
+def test_non_tensor_outputs_must_be_equal_in_every_chunk():
+    x = torch.randn(10, 8)
+    y, same = gradsync.Chunked(Returns(lambda m, x, y: {"tag": "a", "none": None, "n": 3.0}), 4)(x)
+    assert same == {"tag": "a", "none": None, "n": 3.0} and y.shape == (10, 8)
+    with pytest.raises(ValueError, match=r"non-tensor output that differs between chunks \(3 in chunk 0, 2 in "
+                                         r"chunk 2\); Chunked cannot stitch it"):
+        gradsync.Chunked(Returns(lambda m, x, y: x.shape[0]), 4)(x)
+
+
+class Tracker(nn.Module):
+    """Updates a buffer in forward: in place, by reassignment, or only once (a lazy initialization)."""
+
+    def __init__(self, how):
+        super().__init__()
+        self.l, self.how = nn.Linear(8, 8), how
+        self.register_buffer("seen", torch.zeros(()))
+        self.register_buffer("table", torch.full((3,), float("nan")))  # NaN: unchanged all the same
+
+    def forward(self, x):
+        with torch.no_grad():
+            if self.how == "in place":
+                self.seen += x.shape[0]
+            elif self.how == "assigned":
+                self.seen = self.seen + x.shape[0]
+            elif self.seen == 0:
+                self.seen.fill_(1.0)
+        return self.l(x)
+
+
+@pytest.mark.parametrize("how", ["in place", "assigned"])
+def test_buffers_updated_in_forward_are_refused(how):
+    module, x = Tracker(how), torch.randn(8, 8)
+    with pytest.raises(ValueError, match="Chunked module changed its buffer 'seen' in forward"):
+        gradsync.Chunked(module, 4)(x)
+    with torch.no_grad():
+        gradsync.Chunked(module, 4)(x)  # nothing is recomputed: a plain call
+    module.requires_grad_(False)
+    gradsync.Chunked(module, 4)(x)
+
+
+def test_a_buffer_set_once_is_not_refused():
+    module, x = Tracker("once"), torch.randn(8, 8)
+    gradsync.Chunked(module, 4)(x).sum().backward()
+    assert float(module.seen) == 1.0 and module.l.weight.grad is not None
