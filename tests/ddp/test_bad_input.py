@@ -1,8 +1,10 @@
 """Bad input: non-finite gradients, broken comm hooks, wrong-dtype gradients."""
 import pytest
 import torch
+import torch.distributed as dist
 
 import gradsync
+from gradsync.tools.launch import run_ranks
 from helpers import SLACK, TIMEOUT, batches, faults, grads, mlp, outcome, shard_backward
 
 
@@ -108,3 +110,22 @@ def eval_on_one_rank(rank, world_size):
 def test_a_rank_in_eval_mode_is_named_as_a_likely_cause():
     for kind, message, _ in faults(eval_on_one_rank):
         assert kind == "SyncError" and "eval mode" in message, (kind, message)
+
+
+def outside_the_group(rank, world_size, init_sync):
+    group = dist.new_group([0])  # every rank creates it; rank 1 is not in it
+    if rank == 0:
+        return None
+    try:
+        gradsync.DDP(torch.nn.Linear(4, 4), process_group=group, init_sync=init_sync)
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return "constructed"
+
+
+@pytest.mark.parametrize("init_sync", [True, False])
+def test_a_process_group_this_rank_is_not_in_is_named_at_construction(init_sync):
+    """It raised 'Dimension size must be non-negative' (a world size of -1), or constructed and then called the group
+    destroyed at the first forward."""
+    kind, message = run_ranks(outside_the_group, 2, init_sync, timeout=60)[1]
+    assert kind == "ValueError" and "not a member" in message and "global rank 1" in message, message

@@ -107,11 +107,17 @@ def resolve_group(process_group: dist.ProcessGroup | None, device_mesh: Any) -> 
     if process_group is not None and device_mesh is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh is None:
-        return process_group if process_group is not None else dist.group.WORLD
-    if device_mesh.ndim != 1:
+        group = process_group if process_group is not None else dist.group.WORLD
+    elif device_mesh.ndim != 1:
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}. Pass the "
                            "data-parallel dimension, e.g. mesh['dp'].")
-    return device_mesh.get_group(mesh_dim=0)
+    else:
+        group = device_mesh.get_group(mesh_dim=0)
+    if process_group is not None and dist.is_initialized() and dist.get_rank(group) < 0:
+        raise ValueError(f"gradsync: this process (global rank {dist.get_rank()}) is not a member of the "
+                         "process_group it was given (dist.new_group returns a placeholder on the ranks outside "
+                         "the group). Wrap the model only on the group's ranks, or pass the group this rank is in.")
+    return group
 
 
 def by_object(named: Any, trainable: list[tuple[str, nn.Parameter]]) -> dict[str, nn.Parameter]:
