@@ -27,7 +27,7 @@ from ._torch import module_slot_dicts
 from .engine.collectives import broadcast_bytes, deserialized, serialized
 from .engine.control import AUDIT
 from .engine.errors import PeerFailure, ReplicaMismatchError
-from .engine.replicas import disagreeing, fingerprint, gathered, who
+from .engine.replicas import disagreeing, fingerprint, gathered, in_the_job, who
 
 _AUDITS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> audits it ran: the default seed
 
@@ -88,11 +88,12 @@ def audit(model: nn.Module, loss_fn: Callable[[nn.Module, Any], torch.Tensor], b
     by_rank = {r: table[r].tolist() for r in active}
     differ, ranks = disagreeing({r: v[:n] for r, v in by_rank.items()}, n)
     if differ:
-        raise ReplicaMismatchError(_text(ranks, active, differ, reducer.names, "hold different parameters"))
+        raise ReplicaMismatchError(_text(ranks, active, differ, reducer.names, "hold different parameters")
+                                   + in_the_job(sorted(ranks), plane.group))
     differ, ranks = disagreeing({r: [(v[n + i], v[2 * n + i]) for i in range(n)] for r, v in by_rank.items()}, n)
     if differ:
-        raise ReplicaMismatchError(_text(ranks, active, differ, reducer.names,
-                                         "computed different gradients from the same micro-batch and parameters"))
+        raise ReplicaMismatchError(_text(ranks, active, differ, reducer.names, "computed different gradients from "
+                                         "the same micro-batch and parameters") + in_the_job(sorted(ranks), plane.group))
     return AuditReport(n, time.perf_counter() - start)
 
 

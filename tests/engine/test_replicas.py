@@ -219,3 +219,29 @@ def test_a_skipped_bucket_reduced_late_is_fingerprinted_after_its_reduction():
     checked, plain = run_ranks(skipped_then_used, 3, True), run_ranks(skipped_then_used, 3, False)
     for ours, theirs in zip(checked, plain):
         assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
+def in_a_subgroup(rank, world_size):
+    """Global ranks 1-3 train one model in their own group; global rank 3's parameter is flipped."""
+    group = dist.new_group([1, 2, 3])
+    if rank == 0:
+        return None
+    model = gradsync.DDP(mlp(seed=0), process_group=group, check_replicas=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        for step in range(4):
+            torch.manual_seed(step * 10 + rank)
+            model(torch.randn(4, 8)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 1 and rank == 3:
+                flip(model.module[0].weight)
+    except gradsync.ReplicaMismatchError as exc:
+        return str(exc)
+
+
+def test_a_subgroups_mismatch_names_the_global_rank_whose_host_to_check():
+    """The message said 'rank(s) [2]', the group's position: the advice to check that rank's host sent the user to
+    global rank 2, a healthy one."""
+    for message in run_ranks(in_a_subgroup, 4, timeout=120)[1:]:
+        assert "rank(s) [2] disagree" in message and "global rank(s) [3]" in message, message

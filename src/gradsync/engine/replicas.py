@@ -155,6 +155,7 @@ class ReplicaCheck:
         ranks = sorted(odd | odd_grads)
         names = self.name_parameters(bad_params, active, plane) if bad_params else []
         text = mismatch_text(ranks, list(active), sync, bad_params, bad_grads, names, self.lag)
+        text += in_the_job(ranks, plane.group)
         if self.evict and plane.protocol is not None and 2 * len(ranks) < len(active):
             if plane.rank not in ranks:  # the majority re-forms without the minority and reduces the window again
                 raise PeerFailure(f"gradsync: synced backward {sync}: {who(ranks, list(active))}: evicting them "
@@ -170,6 +171,13 @@ class ReplicaCheck:
         rows = gathered(torch.stack([fingerprint([params[i]]) for i in members]), plane, "the parameters' fingerprints")
         by_rank = {r: rows[r].tolist() for r in active}
         return [self.names[members[j]] for j in disagreeing(by_rank, len(members))[0]]
+
+
+def in_the_job(ranks: list[int], group: Any) -> str:
+    """The global ranks of ``group``'s ``ranks``, where they differ: the host to check is the job's rank."""
+    glob = [dist.get_global_rank(group, r) for r in ranks] if dist.is_initialized() else ranks
+    return "" if glob == ranks else (f" The ranks above are positions in the model's process group: in the job they "
+                                     f"are global rank(s) {glob}.")
 
 
 def gathered(mine: torch.Tensor, plane: Any, what: str) -> torch.Tensor:
@@ -216,4 +224,4 @@ def mismatch_text(ranks: list[int], active: list[int], sync: int, params: list[i
             f"a checkpoint saved before synced backward {max(sync - 2 - lag, 0)}.")
 
 
-__all__ = ["ReplicaCheck", "disagreeing", "fingerprint", "gathered", "mismatch_text", "summed", "who", "words"]
+__all__ = ["ReplicaCheck", "disagreeing", "fingerprint", "gathered", "in_the_job", "mismatch_text", "summed", "who", "words"]
