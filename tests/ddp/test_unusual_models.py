@@ -399,3 +399,37 @@ def test_a_post_accumulate_grad_hook_registered_after_wrapping_changes_the_reduc
             assert_close_dicts(a, b)
     for a, b in zip(results[0][1], results[1][1]):
         assert_close_dicts(a, b, atol=0, rtol=0)
+
+
+class OneUnused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 2)
+        self.unused = nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.a(x)
+
+
+def set_by_hand(rank, world_size):
+    out = []
+    for wrap in (TorchDDP, gradsync.DDP):
+        model = wrap(OneUnused(), find_unused_parameters=True)
+        seen = []
+        for step in range(3):
+            if rank == 0:
+                model.module.unused.bias.grad = torch.ones(2)  # a gradient computed elsewhere
+            model(torch.randn(3, 4)).sum().backward()
+            g = model.module.unused.bias.grad
+            seen.append(None if g is None else g.tolist())
+            model.module.zero_grad()
+        out.append(seen)
+    return out
+
+
+def test_a_gradient_set_by_hand_on_an_unused_parameter_stays_local_from_the_first_backward():
+    """The first synced backward took it for a gradient restored from a checkpoint and averaged it (0.5 on both
+    ranks, rank 1's None too); torch keeps each rank's own, as gradsync did from the second backward on."""
+    for theirs, ours in run_ranks(set_by_hand, 2, timeout=60):
+        assert ours == theirs, (ours, theirs)

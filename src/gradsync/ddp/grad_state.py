@@ -78,8 +78,9 @@ def load_grad_state(reducer: Any, state: dict[str, Any]) -> None:
     if views:
         lent = set(state.get("lent", ()))
         store.lent = {i for i, name in enumerate(names) if name in lent}
+    used = set(state["used"]) if "used" in state else set(grads)  # this window's own: the next synced backward reduces them
+    reducer.window_used = [name in grads and name in used for name in names]
     if "used" in state and hasattr(store, "restored_synced"):  # sync_each_batch: an average, not this window's own
-        used = set(state["used"])
         store.restored_synced = {i for i, name in enumerate(names) if name in grads and name not in used}
     main = state.get("main_grads", {})
     if main and store.main is None:

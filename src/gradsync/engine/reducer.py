@@ -128,8 +128,6 @@ class Reducer:
                 self.warned_ignored = True
                 warnings.warn(messages.UNPREPARED_BACKWARD, stacklevel=3)
         else:
-            if c.backward == 1:  # gradients restored from a mid-window checkpoint are window state
-                self.window_used = [self.store.has_local_grad(i) for i in range(len(self.params))]
             switch = self.switch()
             syncing = c.armed and switch is not None and bool(switch.require_backward_grad_sync)
             if self.backward_check is not None:
