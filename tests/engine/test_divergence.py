@@ -129,3 +129,23 @@ def test_num_items_windows_that_disagree_are_detected(buffers):
         assert kind == "SyncError" and "the ranks are out of step" in message, (rank, kind, message)
         assert seconds < BOUND, (rank, seconds)
         print(f"\n[measured] num_items windows/{'buffers' if buffers else 'no_buffers'}, rank {rank}: {seconds:.2f}s")
+
+
+def crossed_models(rank, world_size):
+    """Two models in their own groups; one backward runs through A then B on rank 0, B then A on rank 1."""
+    groups = [torch.distributed.new_group([0, 1]) for _ in range(2)]
+    a, b = (gradsync.DDP(mlp(seed=s), process_group=g, find_unused_parameters=True, timeout=3)
+            for s, g in zip((0, 1), groups))
+    first, second = (a, b) if rank == 0 else (b, a)
+
+    def run():
+        x = torch.randn(4, 8)
+        (second(torch.cat([first(x), x[:, 4:]], dim=1)).sum()).backward()
+    return outcome(run)
+
+
+def test_a_backward_through_two_models_in_another_order_per_rank_names_that_cause():
+    """Each rank waits inside the first model's backward for the other rank's header: the timeout's message listed
+    only a dead or diverging rank."""
+    for kind, message, _ in run_ranks(crossed_models, 2, timeout=BOUND):
+        assert kind == "SyncError" and "several wrapped models in a different order" in message, message
