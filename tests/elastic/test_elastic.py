@@ -635,14 +635,14 @@ def test_sampler_global_batch_follows_a_shrink_and_a_join(tmp_path):
 
 def one_process_deterministic(rank, world_size, events, n, global_batch):
     """gradsync's deterministic=True on one rank, window by window on the micro-batches that were kept (dealt in
-    blocks: rank j // k runs micro-batch j), each loss / (micro-batches kept): the tree of the window's leaves."""
+    blocks to the 2 replicas), each loss / (micro-batches kept): the tree of the window's leaves."""
     import gradsync
     net, (xs, ys) = build_model(), dataset(n)
     model = gradsync.DistributedDataParallel(net, deterministic=True)
     optimizer = make_optimizer(model.parameters())
     order, offset, w = ElasticSampler(n, micro_batch=4, global_batch=global_batch, seed=3).order(0), 0, 0
     while offset + global_batch <= n:
-        dealt = deal(order[offset:offset + global_batch], 4, dealt_to(events, w), blocks=True)
+        dealt = deal(order[offset:offset + global_batch], 4, dealt_to(events, w, replicas=2), blocks=True)
         gone = {r for e in events if e["window"] == w for r in e["left"]}
         kept = [mb for r, mbs in dealt.items() if r not in gone for mb in mbs]
         optimizer.zero_grad()

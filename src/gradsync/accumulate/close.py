@@ -55,17 +55,26 @@ class WindowClose(Windows):
             raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
                                "parameter got one), so the item counts were not exchanged; every "
                                "window must end with a backward through the model")
-        if rows is None:  # one rank, or no header: every rank is taken to have run what this one did
+        if rows is None:  # one rank, or no header (torch's DDP): every rank ran its planned share of the window
             total = self._sent[0] if self._kind == ITEMS else None
             if work is not None:
                 self._wait(work[0])
                 total = float(work[1])
-            rows = {0: (TAG[self._kind], total or 0.0, self._world_size * self._sent[1], float(len(self._records)))}
+            rows = {0: (TAG[self._kind], total or 0.0, self._units_everywhere(), float(len(self._records)))}
         rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
         check_kinds(rows, self.windows)
         expected = self._scale_len if self._weights is None else 1.0  # _carry sent a split window's share
         self._rescale = (window_factor(rows, self._world_size, expected, any(row[3] for row in rows.values())), rows)
         return self._rescale[0]
+
+    def _units_everywhere(self) -> float:
+        """Without a header: the loss units that ran on all ranks, each rank taken to have run its planned micro-steps
+        less as many as this rank did not run. ``_scale_len`` keeps the plan (``plan_window``): the window's
+        micro-steps on all ranks / W; without one, this rank's own count (every rank ran what this one did)."""
+        sent = self._sent[1]
+        if self._weights is not None:  # a split() window: _carry sent this rank's share of its rows
+            return self._world_size * sent
+        return self._world_size * (self._scale_len - (self._window_len - sent))
 
     def _close(self, carried: Any, work: Any = None) -> None:
         """The window's synced backward is done: rescale (unless overlap_optimizer did, bucket by bucket), note
