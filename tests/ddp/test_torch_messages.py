@@ -141,3 +141,13 @@ def test_a_hook_that_returns_no_future_raises_torchs_error():
     for out in run_ranks(hook_returns_no_future, 2, timeout=90):
         assert sentence in out["torch"], out["torch"]
         assert sentence in out["gradsync"], out["gradsync"]
+
+
+def sync_batchnorm_on_cpu(rank, world_size):
+    return [raises(lambda: cls(nn.Sequential(nn.Linear(4, 4), nn.SyncBatchNorm(4))), ValueError,
+                   "SyncBatchNorm layers only work with GPU modules") for cls in WRAPPERS.values()]
+
+
+def test_sync_batchnorm_on_cpu_is_refused_at_construction_as_torch_does():
+    """gradsync wrapped it; torch's SyncBatchNorm then refused the CPU input at the first training forward."""
+    run_ranks(sync_batchnorm_on_cpu, 2, timeout=90)

@@ -201,6 +201,9 @@ def check_wrappable(module: nn.Module, wrapper_types: tuple[type, ...]) -> list[
                 f"gradsync: {what} has sparse=True: gradsync reduces dense "
                 "gradients only; construct it with sparse=False (same gradients, dense), or use "
                 "torch's DistributedDataParallel, which reduces sparse gradients")
+        if isinstance(m, nn.SyncBatchNorm) and named and all(p.device.type == "cpu" for _, p in named):
+            raise ValueError("SyncBatchNorm layers only work with GPU modules (torch's sentence: gradsync: on CPU "
+                             "use nn.BatchNorm*d, or convert to SyncBatchNorm only where the model runs on GPUs)")
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
         raise RuntimeError("gradsync: the module has no parameters that require gradients; "
