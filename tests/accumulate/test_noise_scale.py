@@ -133,3 +133,19 @@ def test_noise_scale_is_refused_with_sync_each_batch_and_grad_norm_with_shards()
         with pytest.raises(NotImplementedError, match="clip_grad_norm_"):  # was a silent 0.0
             acc.grad_norm
     run_ranks(fn, 2)
+
+
+def test_the_running_sums_resume_from_the_accumulators_state_dict():
+    """They were left out of it: a resumed run (or an elastic joiner, sent this state) started its noise scale afresh,
+    unlike the other ranks' ("over every window so far, the same on every rank")."""
+    model = torch.nn.Linear(D, 1)
+    acc = gradsync.GradientAccumulator(model, steps=2, noise_scale=True)
+    g = torch.Generator().manual_seed(3)
+    for _ in range(5):
+        for _ in range(2):
+            with acc.accumulate():
+                acc.backward(model(torch.randn(4, D, generator=g)).square().mean())
+        model.zero_grad()
+    resumed = gradsync.GradientAccumulator(model, steps=2, noise_scale=True)
+    resumed.load_state_dict(acc.state_dict())
+    assert acc.noise_scale is not None and resumed.noise_scale == acc.noise_scale

@@ -137,6 +137,7 @@ def main() -> None:
                         "the victim dies inside it, after its micro-batch arrived)")
     parser.add_argument("--ddp", action="append", default=[], help="a DDP option as NAME=VALUE (Python literal), "
                         "e.g. gradient_as_bucket_view=True, bucket_cap_mb='auto'")
+    parser.add_argument("--noise", action="store_true", help="noise_scale=True; record it and sync_report() per window")
     parser.add_argument("--timeout", type=float, default=30, help="gradsync.elastic.init_process_group's timeout")
     args = parser.parse_args()
     global KILL_LAUNCHER
@@ -169,7 +170,8 @@ def main() -> None:
         model.register_comm_hook(state, powersgd.powerSGD_hook)
     forward = torch.compile(model) if args.compile else model
     steps = 1 if args.plain else args.steps
-    acc = None if args.plain else gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=args.sync_each_batch)
+    acc = None if args.plain else gradsync.GradientAccumulator(model, steps=steps, sync_each_batch=args.sync_each_batch,
+                                                                noise_scale=args.noise)
     optimizer = gradsync.ShardedOptimizer(model, torch.optim.AdamW, **ADAMW) if args.sharded else \
         make_optimizer(model.parameters())
     if args.overlap:
@@ -179,6 +181,7 @@ def main() -> None:
     scaler = gradsync.ShardedGradScaler(device.type, init_scale=2.0 ** 8, growth_interval=10 ** 6) if args.scaler else None
     state = {"window": -1, "step": -1, "last": False}
     audits = []  # (window, whether its audit completed)
+    observed = []  # --noise: (window, acc.noise_scale, model.sync_report()) after each window's step
 
     def at(point: str, step: int | str | None = None) -> bool:
         """Whether the victim is at ``point`` of micro-step ``step`` ("last": the window's synced one)."""
@@ -310,6 +313,8 @@ def main() -> None:
                 return torch.nn.functional.mse_loss(module(batch[0]), batch[1])
             batch = tuple(t.to(device) for t in micro_batch(0, w, 0, False))
             audits.append((w, gradsync.audit(model, audit_loss, batch).complete))
+        if args.noise and acc.is_boundary:
+            observed.append((w, acc.noise_scale, repr(model.sync_report())))
         if args.plain or acc.is_boundary:  # what the collectives were given: buckets, or sharded, the parameters
             memory.append((gradsync.elastic.membership.membership().generation, sorted(
                 b.flat_param.data_ptr() if args.sharded else (b.buffer if b.wire is None else b.wire).data_ptr()
@@ -320,7 +325,7 @@ def main() -> None:
                 "buckets_reduced": model.reducer.skips.reduced,
                 "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
                 "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict(),
-                "memory": memory, "audits": audits}, os.path.join(args.out, f"{me}.pt"))
+                "memory": memory, "audits": audits, "observed": observed}, os.path.join(args.out, f"{me}.pt"))
     if args.exit_code and args.raise_exit:
         raise SystemExit(args.exit_code)
     if args.exit_code:

@@ -483,6 +483,22 @@ def test_a_restarted_replica_joins_at_a_window_boundary(tmp_path):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
 
 
+def test_a_replica_that_rejoins_reads_the_members_noise_scale_and_sync_report(tmp_path):
+    """Both are documented the same on every rank. The joiner started its noise scale's running sums afresh (16.5
+    against 25.6 at the next window, apart for good), and in the first window after the join the members returned
+    the report from before the re-formation where the joiner had none."""
+    proc = launch(tmp_path, "--victim", "2", "--window", "1", "--point", "during_reductions", "--sleep", "0.1",
+                  "--until-full", "3", "--noise", max_restarts=1, windows=12)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    results = survivors(tmp_path)
+    first = agreeing(results, [0, 1, 2], proc.stderr)
+    joined = first["events"][1]["window"]
+    seen = {r: {w: rest for w, *rest in results[r]["observed"] if w >= joined} for r in results}
+    assert len(seen[2]) >= 2 and any(v[0] is not None for v in seen[2].values()), seen[2]
+    for w, mine in seen[2].items():
+        assert seen[0][w] == seen[1][w] == mine, (w, seen[0][w], mine)
+
+
 def test_a_replica_that_rejoins_skips_the_buckets_the_members_skip(tmp_path):
     """skip_all_reduce_unused_params=True: the members skip the bucket no member used in the last synced backward;
     a replica that joins takes that set with their state, so it launches the same collectives (without it, its

@@ -245,6 +245,18 @@ class GradientAccumulator(WindowClose):
                 "do not run on the rank that skipped, while the other ranks step. Call optimizer.step(), "
                 "scheduler.step() and optimizer.zero_grad() after the `with acc.accumulate():` block.")
 
+    def state_dict(self) -> dict[str, Any]:
+        """The window's position and normalization state (``Windows``), and the noise scale's running sums."""
+        state = super().state_dict()
+        if self.noise.scale is not None:  # "over every window so far": a resumed run or a joiner goes on from them
+            state["noise_scale"] = (self.noise.scale.trace_sum, self.noise.scale.norm2_sum, self.noise.scale.windows)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        if self.noise.scale is not None and "noise_scale" in state:
+            self.noise.scale.trace_sum, self.noise.scale.norm2_sum, self.noise.scale.windows = state["noise_scale"]
+
     # ---------------------------------------------------------------- wrappers
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Return ``optimizer`` whose ``step()``/``zero_grad()`` act only where a window ends.

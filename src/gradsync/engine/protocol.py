@@ -90,6 +90,9 @@ class Attachment:
         r = self.reducer
         r.group, r.rank, r.world_size = group, dist.get_rank(group), dist.get_world_size(group)
         r.plane.regroup(group, r.rank, r.world_size)
+        r.last_report = None  # the next report comes a synced backward later, on a joiner too (its ranks are new)
+        if r.stragglers is not None:
+            r.stragglers.forget()
         r.launcher.group = r.layout.group = group
         if r.store.sharded:  # through the control group (on the CPU), every wait bounded
             r.store.regroup(r.plane.group, r.rank, r.world_size, r.plane.wait, contributes=not joining)

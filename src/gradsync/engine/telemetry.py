@@ -61,6 +61,11 @@ class Stragglers:
         self.history: deque[SyncReport] = deque(maxlen=self.WINDOW)
         self.warned: int | None = None  # the rank of the episode in progress
 
+    def forget(self) -> None:
+        """The group re-formed: its ranks are other processes now."""
+        self.history.clear()
+        self.warned = None
+
     def observe(self, report: SyncReport) -> str | None:
         """Add a report; return the warning's text when an episode starts."""
         if len(report.ranks) < 2:
