@@ -140,3 +140,23 @@ def test_export_trace_without_a_trace_says_what_to_call():
         with pytest.raises(RuntimeError, match="enable_comm_trace"):
             gradsync.DistributedDataParallel(mlp()).export_trace("unused.json")
     run_ranks(fn, 2)
+
+
+def one_bucket(rank, world_size):
+    """One bucket: the header is waited in the hook of the backward's last gradient. Rank 1 sleeps between its
+    forward and its backward."""
+    model = gradsync.DistributedDataParallel(mlp())
+    for _ in range(3):
+        loss = model(torch.randn(6, 8)).square().mean()
+        if rank == 1:
+            time.sleep(0.2)
+        loss.backward()
+    return model.sync_report()
+
+
+def test_a_rank_that_waits_for_the_header_after_its_last_gradient_keeps_its_own_work():
+    """The wait came after the last gradient's time was taken, and was subtracted from the work all the same:
+    rank 0's compute_ms read 0.0 (and the straggler warning 'the median rank's 0 ms')."""
+    for report in run_ranks(one_bucket, 2, timeout=120):
+        assert report.ranks[0].compute_ms > 0, report
+        assert report.ranks[0].wait_ms >= 150 and report.ranks[1].compute_ms >= 190, report

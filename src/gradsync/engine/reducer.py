@@ -199,7 +199,8 @@ class Reducer:
                 # the header pairs before the first bucket: at most one small all-reduce's latency, hidden mostly
                 start = time.perf_counter()
                 self.plane.check_header()
-                it.hook_wait += time.perf_counter() - start
+                it.hook_wait += (waited := time.perf_counter() - start)
+                it.t_ready = (it.t_ready or start) + waited  # after the gradient that launched it: not its own work
             while it.next_launch < len(buckets) and buckets[it.next_launch].pending == 0:
                 bucket = buckets[it.next_launch]
                 if self.measure_norm:  # before the collective changes the buffer
