@@ -433,3 +433,28 @@ def test_a_gradient_set_by_hand_on_an_unused_parameter_stays_local_from_the_firs
     ranks, rank 1's None too); torch keeps each rank's own, as gradsync did from the second backward on."""
     for theirs, ours in run_ranks(set_by_hand, 2, timeout=60):
         assert ours == theirs, (ours, theirs)
+
+
+def converted_with_grads_set(rank, world_size, how):
+    """Gradient views, .grad set by a backward, then a conversion that keeps dtype and device: nn.Module._apply
+    writes ``param.grad.data``, which moved gradsync's view object (it is .grad) off its bucket."""
+    torch.manual_seed(0)
+    model = gradsync.DDP(nn.Conv2d(2, 2, 1), gradient_as_bucket_view=True)
+    x = torch.full((1, 2, 2, 2), float(rank + 1))
+    model(x).sum().backward()
+    if how == "channels_last":
+        model.to(memory_format=torch.channels_last)
+    else:
+        model.half()
+        model.float()
+    model.zero_grad(set_to_none=False)
+    model(x).sum().backward()
+    return model.module.weight.grad.clone()
+
+
+@pytest.mark.parametrize("how", ["channels_last", "dtype_round_trip"])
+def test_a_conversion_that_moves_grad_keeps_the_gradients_averaged(how):
+    """Each rank kept its own gradient from then on (4.0 and 8.0 where the average is 6.0), silently."""
+    results = run_ranks(converted_with_grads_set, 2, how, timeout=60)
+    torch.testing.assert_close(results[0], results[1], atol=0, rtol=0)
+    assert results[0].flatten()[0].item() == 6.0, results

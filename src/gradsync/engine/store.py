@@ -42,8 +42,7 @@ class BucketStore:
         self.caps = caps  # the caps in use: the one owner ("auto" changes them through replan)
         self.reduce_dtype, self.grad_as_view = reduce_dtype, gradient_as_bucket_view
         self.plan_order: list[int] | None = None  # rank 0's observed order, once re-planned
-        self.buckets: list[Bucket] = []
-        self.views: list[torch.Tensor] = []
+        self.buckets, self.views = [], []  # list[Bucket], each parameter's slot: _build's
         self.view_ptrs: list[int] = []  # each view's data_ptr(): is ``.grad`` the view (is_view_of), read once
         self.lent: set[int] = set()  # .grad made its view by a local backward, where torch's is autograd's tensor
         self.restored_synced: set[int] = set()  # .grad loaded mid-window that a synced backward wrote: not local
@@ -300,6 +299,8 @@ class BucketStore:
         """A backward starts: a local one with views counts each bucket's members in again (local_ready)."""
         if self.restored_synced:  # read once, at the first backward after a load (grad_state.py)
             self.restored_synced = set()
+        if syncing and self.grad_as_view and list(map(torch.Tensor.data_ptr, self.views)) != self.view_ptrs:
+            self.renew()  # `.grad.data = ...` (module.to(memory_format=...)) moved a view (it is .grad): copied back in
         if not syncing and self.adopts_views:
             for b in self.buckets:
                 b.pending, b.fresh = len(b.members), []
