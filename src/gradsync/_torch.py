@@ -13,6 +13,7 @@ import sys
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from operator import attrgetter
 from typing import Any
 
 import torch
@@ -87,9 +88,8 @@ def active_ddp_module(module: Any, first_bucket_bytes: int) -> Iterator[None]:
         TORCH_DDP._active_ddp_module, dist._DEFAULT_FIRST_BUCKET_BYTES = old, old_first
 
 
-# torch.optim's first optimizer imports Dynamo (its methods are wrapped by torch._disable_dynamo): a process that
-# forks training processes imports it once instead of every child (``gradsync run``'s fork server)
-OPTIMIZER_IMPORTS = ("torch._dynamo",)
+OPTIMIZER_IMPORTS = ("torch._dynamo",)  # torch.optim's first optimizer's import: a forking process imports it once
+TENSOR_IMPL = attrgetter("_cdata")  # the TensorImpl a Python tensor holds: torch.utils.swap_tensors exchanges them
 
 
 def cuda_fork_poisoned() -> bool:
@@ -268,7 +268,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
 
 
 __all__ = ["BatchNormBase", "Future", "caller_frame", "claim_amp_scaling", "compile_throwaway", "module_slot_dicts", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group", "device_index",
-           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "foreach_copy_", "foreach_div_", "foreach_mul_", "foreach_zero_",
+           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "TENSOR_IMPL", "foreach_copy_", "foreach_div_", "foreach_mul_", "foreach_zero_",
            "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
            "post_accumulate_hooks", "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
            "recompile_forward", "storage_base", "torch_function_disabled", "torch_function_stack", "unscale_grads_"]

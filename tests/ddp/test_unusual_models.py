@@ -458,3 +458,21 @@ def test_a_conversion_that_moves_grad_keeps_the_gradients_averaged(how):
     results = run_ranks(converted_with_grads_set, 2, how, timeout=60)
     torch.testing.assert_close(results[0], results[1], atol=0, rtol=0)
     assert results[0].flatten()[0].item() == 6.0, results
+
+
+def swapped_on_conversion(rank, world_size):
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model = gradsync.DDP(nn.Conv2d(2, 2, 1))
+        model(torch.ones(1, 2, 2, 2)).sum().backward()
+        model.to(memory_format=torch.channels_last)  # torch.utils.swap_tensors: the hooks stay on the old tensors
+        return outcome(lambda: model(torch.ones(1, 2, 2, 2)).sum().backward())
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def test_parameters_swapped_by_a_conversion_after_wrapping_are_refused_at_the_forward():
+    """No hook fired from then on: every backward stayed local and the replicas parted, silently (torch's DDP refuses
+    the conversion itself)."""
+    for kind, message, _ in run_ranks(swapped_on_conversion, 2, timeout=60):
+        assert kind == "RuntimeError" and "swap" in message and "'weight'" in message, (kind, message)

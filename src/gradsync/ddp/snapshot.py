@@ -14,7 +14,7 @@ from itertools import chain
 import torch
 from torch import nn
 
-from .._torch import caller_frame, functional_call_code, module_slot_dicts
+from .._torch import TENSOR_IMPL, caller_frame, functional_call_code, module_slot_dicts
 
 
 @dataclass
@@ -25,13 +25,19 @@ class Snapshot:
     requires_grad: list[bool]
     dtypes: list[torch.dtype]
     devices: list[torch.device]
+    impls: list[int]  # TENSOR_IMPL: the hooks live on these; a swap (swap_module_params_on_conversion) leaves them
     slots: tuple | None = None  # the walk's modules' own slot dicts, their lengths, those that held values, the values
     tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what that walk found
+
+    def __setstate__(self, state: dict) -> None:  # a pickled or deep-copied wrapper: new tensors, new TensorImpls
+        self.__dict__.update(state)
+        self.impls = list(map(TENSOR_IMPL, self.params))
 
 
 def snapshot(module: nn.Module) -> Snapshot:
     params = list(module.parameters())
-    return Snapshot(params, [p.requires_grad for p in params], [p.dtype for p in params], [p.device for p in params])
+    return Snapshot(params, [p.requires_grad for p in params], [p.dtype for p in params], [p.device for p in params],
+                    list(map(TENSOR_IMPL, params)))
 
 
 _WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members", "named_modules")
@@ -97,7 +103,8 @@ def parameters_swapped(module: nn.Module, taken: Snapshot, own: Sequence[torch.T
         current = list(module.parameters())
     if (len(current) == len(taken.params) and all(map(operator.is_, current, taken.params))
             and [p.requires_grad for p in current] == taken.requires_grad
-            and [p.dtype for p in current] == taken.dtypes and [p.device for p in current] == taken.devices):
+            and [p.dtype for p in current] == taken.dtypes and [p.device for p in current] == taken.devices
+            and list(map(TENSOR_IMPL, current)) == taken.impls):
         return False
     if inside_functional_call():
         # like torch: gradients of the substituted tensors stay local; if some of gradsync's
@@ -116,14 +123,20 @@ def parameters_swapped(module: nn.Module, taken: Snapshot, own: Sequence[torch.T
 def _raise_converted(module: nn.Module, taken: Snapshot) -> None:
     """Raise if a parameter changed dtype or device (module.double() and .to() keep the Parameter objects,
     except to or from meta, and swap their data) or requires_grad (a layer frozen or unfrozen)."""
-    for (name, p), dtype, device, was, same in zip(module.named_parameters(), taken.dtypes, taken.devices,
-                                                   taken.requires_grad, taken.params):
+    for (name, p), dtype, device, was, same, impl in zip(module.named_parameters(), taken.dtypes, taken.devices,
+                                                         taken.requires_grad, taken.params, taken.impls):
         if p.dtype is not dtype or p.device != device:
             raise RuntimeError(
                 f"gradsync: parameter {name!r} changed from {dtype} on {device} to {p.dtype} on "
                 f"{p.device} after the module was wrapped (model.double(), .half(), .to(...)). The "
                 "gradient buckets keep the dtype and device the parameters had at construction; call "
                 "module.to(...) before wrapping it in DistributedDataParallel, or wrap it again.")
+        if p is same and TENSOR_IMPL(p) != impl:
+            raise RuntimeError(
+                f"gradsync: parameter {name!r} had its tensor swapped after the module was wrapped (torch.utils."
+                "swap_tensors, as module.to(...) does under torch.__future__.set_swap_module_params_on_conversion(True)): "
+                "gradsync's gradient hooks stayed on the old tensor, so no gradient would be synchronized (torch's DDP "
+                "refuses such a conversion). Convert the module before wrapping it, or wrap it again.")
         if p is same and p.requires_grad != was:
             raise RuntimeError(
                 f"gradsync: parameter {name!r} was {'frozen' if was else 'unfrozen'} (requires_grad set to "

@@ -30,7 +30,7 @@ from torch.overrides import TorchFunctionMode
 from .._torch import (pop_torch_function_mode, push_torch_function_mode, torch_function_disabled, torch_function_stack)
 
 _GETTERS = ("grad", "requires_grad", "shape", "dtype", "device", "is_leaf", "grad_fn", "ndim", "layout",
-            "is_cuda", "is_sparse", "is_meta", "is_quantized", "names")
+            "is_cuda", "is_sparse", "is_meta", "is_quantized", "names", "_cdata")  # _cdata: the wrapper's TENSOR_IMPL
 _METHODS = ("size", "dim", "numel", "nelement", "stride", "element_size", "is_contiguous", "is_floating_point",
             "is_complex", "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "__hash__")
 # functions that touch no parameter memory: no wait
