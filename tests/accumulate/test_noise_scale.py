@@ -149,3 +149,25 @@ def test_the_running_sums_resume_from_the_accumulators_state_dict():
     resumed = gradsync.GradientAccumulator(model, steps=2, noise_scale=True)
     resumed.load_state_dict(acc.state_dict())
     assert acc.noise_scale is not None and resumed.noise_scale == acc.noise_scale
+
+
+def read_twice(rank, world_size, dtype):
+    torch.manual_seed(0)
+    model = gradsync.DistributedDataParallel(torch.nn.Linear(8, 4).to(dtype))
+    acc = gradsync.GradientAccumulator(model, steps=2)
+    for _ in range(2):
+        with acc.accumulate():
+            acc.backward(model(torch.randn(5, 8, dtype=dtype)).abs().square().mean() * 1024)
+    early = acc.grad_norm  # a logging callback before the gradients are unscaled or clipped
+    for p in model.parameters():
+        p.grad.div_(1024)
+    theirs = float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"), norm_type=2.0))
+    return early, acc.grad_norm, theirs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64])
+def test_grad_norm_is_read_when_asked_and_counts_complex_gradients_whole(dtype):
+    """It kept its first read for the window (a read before scaler.step gave the scaled norm after it too), and a
+    complex gradient's imaginary part was dropped (0.94 for 1.20)."""
+    for early, late, theirs in run_ranks(read_twice, 2, dtype):
+        assert abs(late - theirs) <= 1e-5 * theirs and abs(early - 1024 * theirs) <= 1e-3 * early, (early, late, theirs)

@@ -160,3 +160,42 @@ def test_a_rank_that_waits_for_the_header_after_its_last_gradient_keeps_its_own_
     for report in run_ranks(one_bucket, 2, timeout=120):
         assert report.ranks[0].compute_ms > 0, report
         assert report.ranks[0].wait_ms >= 150 and report.ranks[1].compute_ms >= 190, report
+
+
+def traced_join(rank, world_size, path, batches):
+    model = gradsync.DistributedDataParallel(torch.nn.Linear(8, 8), straggler_warning=False)
+    model.enable_comm_trace()
+    with model.join():
+        for _ in range(batches[rank]):
+            model(torch.randn(4, 8)).sum().backward()
+    model.export_trace(path)
+    return len(model.comm_trace)
+
+
+def test_export_trace_draws_every_ranks_records_when_rank_0_ran_out_first(tmp_path):
+    """It paired records by position in rank 0's list: with rank 0 done after 2 of 5, the others' last 3 were gone."""
+    import json
+    path = tmp_path / "trace.json"
+    recorded = run_ranks(traced_join, 3, str(path), [2, 5, 5])
+    events = json.loads(path.read_text())["traceEvents"]
+    drawn = [sum(e["ph"] == "X" and e["name"].startswith("bucket") and e["pid"] == r for e in events) for r in range(3)]
+    assert drawn == recorded, (drawn, recorded)
+
+
+def noise_of_wide_dtypes(rank, world_size, dtype):
+    torch.manual_seed(0)
+    model = gradsync.DistributedDataParallel(torch.nn.Linear(4, 2).to(dtype))
+    acc = gradsync.GradientAccumulator(model, steps=2, noise_scale=True)
+    for _ in range(3):
+        for _ in range(2):
+            with acc.accumulate():
+                acc.backward(model(torch.randn(3, 4, dtype=dtype)).abs().square().mean())
+        model.zero_grad()
+    return acc.noise_scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex64])
+def test_noise_scale_takes_float64_and_complex_gradients(dtype):
+    """The bucket's norm was asked in float32: 'should be convertible without narrowing' on every rank."""
+    values = run_ranks(noise_of_wide_dtypes, 2, dtype)
+    assert values[0] is not None and values[0] == values[1]

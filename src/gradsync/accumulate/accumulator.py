@@ -281,7 +281,7 @@ class GradientAccumulator(WindowClose):
     def grad_norm(self) -> float | None:
         """The closed window's global gradient norm (as ``clip_grad_norm_`` computes it); read it after the
         window's optimizer step and before ``zero_grad()``. None inside a window."""
-        if self.noise.grad_norm is None and self._boundary and not self._active and self.windows:
+        if self._boundary and not self._active and self.windows:  # each read: a scaler or a clip changes them
             self.noise.grad_norm = self.noise.norm2() ** 0.5
         return self.noise.grad_norm
 

@@ -51,7 +51,7 @@ class NoiseEstimates:
         self.model = model
         self.scale = NoiseScale() if enabled else None
         self.first: tuple[float, float] | None = None  # one rank: the window's first micro-step (|G|^2, batch)
-        self.grad_norm: float | None = None  # the closed window's, once read
+        self.grad_norm: float | None = None  # the closed window's, at the latest read
         self.local_norms: Any = None  # several ranks: a reader of each rank's local |G_r|^2 (measure_local_norms)
 
     def start_window(self) -> None:
@@ -65,7 +65,8 @@ class NoiseEstimates:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return 0.0
-        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])) ** 2)
+        norms = [torch.linalg.vector_norm(g if g.is_complex() or g.dtype.itemsize > 4 else g.float()) for g in grads]
+        return float(torch.linalg.vector_norm(torch.stack([n.double() for n in norms])) ** 2)
 
     def note_first(self, count: Any, *, first: bool, one_rank: bool, scale_len: float) -> None:
         """One rank: the window's first micro-step is the small batch (its gradient alone is in .grad now);

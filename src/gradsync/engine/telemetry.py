@@ -107,7 +107,8 @@ def enable_trace(reducer: Any, on: bool = True) -> list[dict] | None:
 
 def add_norm2(total: Any, buffer: torch.Tensor) -> torch.Tensor:
     """Add a bucket's squared norm to ``total``: one pass over the bucket, no temporary."""
-    part = torch.linalg.vector_norm(buffer.detach(), dtype=torch.float32).square()
+    wide = buffer.dtype.itemsize > 4 or buffer.is_complex()  # float64, complex: in their own precision
+    part = torch.linalg.vector_norm(buffer.detach(), dtype=None if wide else torch.float32).square().float()
     return part if total is None else total + part
 
 
@@ -149,17 +150,16 @@ def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
     with a row for the synced backward split into its own work and its waits, and a row for the buckets
     (launched to reduced). Ranks' clocks differ, so each synced backward is aligned on its end, which
     every rank reaches together (the reduction completes everywhere at once)."""
-    events = []
+    events, anchors = [], {}  # each synced backward's end on the lowest rank that recorded it (a joined rank has fewer)
     for rank, records in enumerate(records_by_rank):
         events.append({"ph": "M", "name": "process_name", "pid": rank, "args": {"name": f"rank {rank}"}})
         for tid, name in ((0, "backward: own work / waits"), (1, "buckets: launched to reduced")):
             events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": name}})
-    for i, anchor in enumerate(records_by_rank[0]):
-        for rank, records in enumerate(records_by_rank):
-            if i >= len(records):
-                continue
-            rec = records[i]
-            shift = anchor["backward_end"] - rec["backward_end"]
+        for rec in records:
+            anchors.setdefault(rec["iteration"], rec["backward_end"])
+    for rank, records in enumerate(records_by_rank):
+        for rec in records:
+            shift = anchors[rec["iteration"]] - rec["backward_end"]
             us = lambda t: round((t + shift) * 1e6, 1)  # noqa: E731
             end = us(rec["backward_end"])
             compute_ms, wait_ms = rec.get("ranks", {}).get(rank, (None, None))
