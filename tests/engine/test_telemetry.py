@@ -199,3 +199,18 @@ def test_noise_scale_takes_float64_and_complex_gradients(dtype):
     """The bucket's norm was asked in float32: 'should be convertible without narrowing' on every rank."""
     values = run_ranks(noise_of_wide_dtypes, 2, dtype)
     assert values[0] is not None and values[0] == values[1]
+
+
+def joined_report(rank, world_size):
+    model = gradsync.DistributedDataParallel(mlp(), straggler_warning=False)
+    with model.join():
+        for _ in range([6, 6, 2][rank]):
+            model(torch.randn(4, 8)).sum().backward()
+    return model.sync_report()
+
+
+def test_a_joined_rank_reads_the_same_report_as_the_active_ranks():
+    """It shadowed their synced backwards without reading the report they carried: its own stayed at the one from
+    before it joined (sync 0 where theirs said 4)."""
+    reports = run_ranks(joined_report, 3)
+    assert reports[0] is not None and reports[0].sync == 4 and reports[0] == reports[1] == reports[2], reports

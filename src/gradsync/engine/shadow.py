@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import process
+from . import telemetry
 from .bucket import slot
 from .control import Verdict, empty_control
 from .errors import SyncError
@@ -32,8 +33,12 @@ def shadow_backward(reducer: Reducer) -> None:
             "followed by exactly one backward inside model.join())"
         )
     plane = reducer.plane  # the control as the active ranks read it: which backward failed part-way (replay.py)
-    flags = Verdict(control.cpu(), reducer.rank, reducer.world_size, len(reducer.params), plane.active(),
-                    reducer.counters.sync, plane.extra_slots()).failed
+    verdict = Verdict(control.cpu(), reducer.rank, reducer.world_size, len(reducer.params), plane.active(),
+                      reducer.counters.sync, plane.extra_slots())
+    flags = verdict.failed
+    # the report the active ranks' control carried, and their straggler warning: the same on every rank
+    reducer.last_report = telemetry.record_report(verdict, reducer.counters.sync - 1, reducer.stragglers, None) or \
+        reducer.last_report
     failed = sorted(flags)
     if 2 in flags.values():  # the active ranks raise too: their window held gradients synced earlier (sync_each_batch)
         raise SyncError(f"gradsync: rank(s) {failed} failed part-way through a synced backward that joined rank "
