@@ -214,3 +214,50 @@ def test_a_joined_rank_reads_the_same_report_as_the_active_ranks():
     before it joined (sync 0 where theirs said 4)."""
     reports = run_ranks(joined_report, 3)
     assert reports[0] is not None and reports[0].sync == 4 and reports[0] == reports[1] == reports[2], reports
+
+
+class SleepInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SleepyStack(torch.nn.Module):
+    """Six layers; the backward sleeps ``seconds`` between the third and the fourth layer's gradients."""
+
+    def __init__(self, seconds):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers, self.seconds = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(6)), seconds
+
+    def forward(self, x):
+        for k, layer in enumerate(self.layers):
+            x = layer(SleepInBackward.apply(x, self.seconds) if k == 3 else x)
+        return x
+
+
+def slow_with_a_hook(rank, world_size):
+    """Six buckets and a comm hook not declared one-collective: each bucket's launch waits for the one before,
+    inside this rank's backward. Rank 1 sleeps 200 ms in the middle of its backward."""
+    def hook(state, bucket):
+        return torch.distributed.all_reduce(bucket.buffer().div_(world_size), async_op=True).get_future().then(
+            lambda f: f.value()[0])
+    model = gradsync.DistributedDataParallel(SleepyStack(0.2 if rank == 1 else 0.0), bucket_cap_mb=0.001,
+                                             straggler_warning=False)
+    model.register_comm_hook(None, hook)
+    for _ in range(4):
+        model(torch.randn(8, 64)).sum().backward()
+    return model.sync_report()
+
+
+def test_waits_for_an_earlier_bucket_inside_the_backward_are_waits_not_work():
+    """Both ranks read about 200 ms of their own work: the wait for the bucket before, made in the hook of a comm hook
+    that may start collectives from callbacks, counted as this rank's compute."""
+    for report in run_ranks(slow_with_a_hook, 2, timeout=120):
+        assert report.slowest == 1 and report.ranks[0].compute_ms < 100 <= report.ranks[0].wait_ms, report

@@ -107,6 +107,7 @@ class BucketLauncher:
         self.params = params
         self.hook: CommHook | None = None
         self.set_dtypes: dict[int, torch.dtype] = {}  # bucket index -> its buffer's dtype once the hook returned
+        self.waited = 0.0  # seconds waited for the phase header and the previous bucket, in all (reducer.py times them)
         self.state: Any = None
         # a window may be reduced again (a commit protocol, skip_on): keep the hook's state as each synced
         # backward's first launch found it, and put it back before the second reduction (rewind)
@@ -159,7 +160,9 @@ class BucketLauncher:
         if self.hook is None:
             return dist.all_reduce(buffer, group=self.group, async_op=True)
         if previous is not None and not issues_one_collective(self.hook, self.group.size()):
+            start = time.perf_counter()
             self.plane.wait(previous, f"bucket {index - 1} (its hook's collectives finish before bucket {index})")
+            self.waited += time.perf_counter() - start
         if buffer.is_complex():  # as torch's reducer: hooks see the real view (a cast would drop imaginary parts)
             buffer, views = torch.view_as_real(buffer).view(-1), [torch.view_as_real(v) for v in views]
         bucket = GradBucket(index, buffer, views, [self.params[i] for i in members], is_last)

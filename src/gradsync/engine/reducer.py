@@ -193,14 +193,13 @@ class Reducer:
         """Launch every bucket whose members are ready, strictly in index order."""
         if self.attached is not None and self.attached.broken is not None:
             return
-        it, buckets = self.it, self.store.buckets
+        it, buckets, waited = self.it, self.store.buckets, self.launcher.waited
         try:
             if self.plane.work is not None and buckets[it.next_launch].pending == 0:
                 # the header pairs before the first bucket: at most one small all-reduce's latency, hidden mostly
                 start = time.perf_counter()
                 self.plane.check_header()
-                it.hook_wait += (waited := time.perf_counter() - start)
-                it.t_ready = (it.t_ready or start) + waited  # after the gradient that launched it: not its own work
+                self.launcher.waited += time.perf_counter() - start
             while it.next_launch < len(buckets) and buckets[it.next_launch].pending == 0:
                 bucket = buckets[it.next_launch]
                 if self.measure_norm:  # before the collective changes the buffer
@@ -210,6 +209,8 @@ class Reducer:
                 it.next_launch += 1
         except PeerFailure as exc:  # only with a protocol: the backward goes on locally, the window stays whole
             self.attached.lose_group(exc)
+        if waited := self.launcher.waited - waited:  # the header's, a hook's: others' work, after the gradient that launched
+            it.hook_wait, it.t_ready = it.hook_wait + waited, it.t_ready and it.t_ready + waited
 
     def finish_grad_sync(self, failed: int = 0) -> None:
         """The end of backward: reduce, then commit (with a protocol: once every member holds it)."""

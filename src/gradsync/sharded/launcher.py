@@ -21,6 +21,7 @@ from .store import ShardedBucket, ShardedBucketStore
 class ShardedLauncher:
     hook = state = None  # comm hooks return a fully reduced bucket: ShardedDataParallel refuses them
     divides_on_copy = False  # the fold (or, off CPU, the launch) divides
+    waited = 0.0  # seconds waited for the phase header (reducer.py times it; BucketLauncher's too)
 
     def __init__(self, group: dist.ProcessGroup, plane: ControlPlane, store: ShardedBucketStore, *,
                  max_inflight: int = 2, staging_budget_bytes: int | None = None):
