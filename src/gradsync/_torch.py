@@ -20,12 +20,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel.distributed import DistributedDataParallel as TORCH_DDP
 
-# torch's DDP class itself (not whatever ``torch.nn.parallel.DistributedDataParallel`` names at call
-# time). Dynamo reads the active module from this class; compat.py redirects its constructor.
-TorchDDP = TORCH_DDP
+TorchDDP = TORCH_DDP  # torch's class itself, not what its name is now: Dynamo reads it; compat.py redirects it
 
-# torch.futures.Future's C base: a Work's ``get_future()`` returns this type, not the Python subclass.
-Future = torch._C.Future
+Future = torch._C.Future  # torch.futures.Future's C base: what a Work's get_future() returns, not the Python subclass
 
 _engine = torch.autograd.Variable._execution_engine
 
@@ -45,6 +42,13 @@ def queue_end_of_backward(callback: Callable[[], None]) -> None:
 def post_accumulate_hooks(param: torch.Tensor, pre: bool = False) -> Any:
     """``param``'s ordered dict of post-accumulate-grad hooks (``pre``: of tensor hooks, run before AccumulateGrad)."""
     return param._backward_hooks if pre else param._post_accumulate_grad_hooks
+
+
+def ddp_markings(module: torch.nn.Module) -> tuple[set[str], list[str]]:
+    """What torch's DDP reads off a module: names ``DDP._set_params_and_buffers_to_ignore_for_model`` marked, and the
+    parameters ``torch.distributed.optim._apply_optimizer_in_backward`` gave an optimizer step in their backward."""
+    return (set(getattr(module, "_ddp_params_and_buffers_to_ignore", ())),
+            [n for n, p in module.named_parameters() if getattr(p, "_in_backward_optimizers", None)])
 
 
 def in_compiled_autograd() -> bool:
@@ -260,18 +264,15 @@ def unchanged(mark: tuple[Any, int] | None, t: torch.Tensor | None) -> bool:
 def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
     """True when ``grad_fn`` is a mean over more than ``numel`` elements, or a loss with ``reduction='mean'``
     (at::Reduction 1). Only warns: a False costs a missed warning."""
-    if grad_fn is None:
-        return False
-    if type(grad_fn).__name__ in ("MeanBackward0", "MeanBackward1"):
+    if type(grad_fn).__name__ in ("MeanBackward0", "MeanBackward1"):  # None: NoneType, and no _saved_reduction
         return getattr(grad_fn, "_saved_self_sym_numel", 0) > numel
     return getattr(grad_fn, "_saved_reduction", None) == 1
 
 
-__all__ = ["BatchNormBase", "Future", "caller_frame", "claim_amp_scaling", "compile_throwaway", "module_slot_dicts", "has_cpu_backend", "join_enabled", "set_authoritative_rank", "set_join_config_disabled", "TorchDDP", "to_kwargs", "active_ddp_module", "default_first_bucket_bytes", "default_store", "detach_default_group", "device_index",
-           "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "OPTIMIZER_IMPORTS", "TENSOR_IMPL", "foreach_copy_", "foreach_div_", "foreach_mul_", "foreach_zero_",
-           "functional_call_code", "group_timeout", "in_compiled_autograd", "is_future", "pop_torch_function_mode", "push_torch_function_mode",
-           "post_accumulate_hooks", "queue_end_of_backward", "recompile_skip_rules", "saved_mean_reduction", "skip_dir_of",
-           "recompile_forward", "storage_base", "torch_function_disabled", "torch_function_stack", "unscale_grads_"]
+__all__ = ["active_ddp_module", "BatchNormBase", "caller_frame", "claim_amp_scaling", "compile_throwaway", "ddp_markings", "default_first_bucket_bytes", "default_store", "detach_default_group", "device_index", "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_copy_",
+           "foreach_div_", "foreach_mul_", "foreach_zero_", "functional_call_code", "Future", "group_timeout", "has_cpu_backend", "in_compiled_autograd", "is_future", "join_enabled", "module_slot_dicts", "OPTIMIZER_IMPORTS", "pop_torch_function_mode", "post_accumulate_hooks",
+           "push_torch_function_mode", "queue_end_of_backward", "recompile_forward", "recompile_skip_rules", "saved_mean_reduction", "set_authoritative_rank", "set_join_config_disabled", "skip_dir_of", "storage_base", "TENSOR_IMPL", "to_kwargs", "torch_function_disabled", "torch_function_stack",
+           "TorchDDP", "unscale_grads_"]
 
 
 def to_kwargs(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
@@ -281,8 +282,7 @@ def to_kwargs(inputs: tuple, kwargs: dict, device: torch.device) -> tuple[tuple,
     return moved[0], moved_kwargs[0]
 
 
-# BatchNorm1d/2d/3d's and SyncBatchNorm's base: Chunked refuses them (chunked statistics differ from one call's)
-BatchNormBase = torch.nn.modules.batchnorm._BatchNorm
+BatchNormBase = torch.nn.modules.batchnorm._BatchNorm  # BatchNorm*d's and SyncBatchNorm's: Chunked refuses them
 
 
 def is_registered(group: dist.ProcessGroup) -> bool:  # one of torch's live groups (not destroyed or detached)

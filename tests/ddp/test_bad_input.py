@@ -129,3 +129,21 @@ def test_a_process_group_this_rank_is_not_in_is_named_at_construction(init_sync)
     destroyed at the first forward."""
     kind, message = run_ranks(outside_the_group, 2, init_sync, timeout=60)[1]
     assert kind == "ValueError" and "not a member" in message and "global rank 1" in message, message
+
+
+def marked_by_torch(rank, world_size, how):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    if how == "ignore":  # a rank-local layer, as torch's DDP leaves it
+        torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["1.weight"])
+    else:
+        from torch.distributed.optim import _apply_optimizer_in_backward
+        _apply_optimizer_in_backward(torch.optim.SGD, model.parameters(), {"lr": 0.1})
+    return outcome(lambda: gradsync.DDP(model))
+
+
+@pytest.mark.parametrize("how, words", [("ignore", "'1.weight'"), ("in_backward", "_apply_optimizer_in_backward")])
+def test_what_torchs_ddp_reads_off_the_module_and_gradsync_does_not_is_refused(how, words):
+    """Ignored parameters were broadcast and averaged (a rank-local layer made equal); parameters stepped in their
+    own backward stepped on this rank's gradient before any reduction (the replicas parted)."""
+    for kind, message, _ in run_ranks(marked_by_torch, 2, how, timeout=60):
+        assert kind == "NotImplementedError" and words in message, (kind, message)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._torch import ddp_markings
 from ..engine.layout import MiB
 from ..engine.launcher import GradBucket
 from ..engine.errors import SyncError
@@ -204,6 +205,17 @@ def check_wrappable(module: nn.Module, wrapper_types: tuple[type, ...]) -> list[
         if isinstance(m, nn.SyncBatchNorm) and named and all(p.device.type == "cpu" for _, p in named):
             raise ValueError("SyncBatchNorm layers only work with GPU modules (torch's sentence: gradsync: on CPU "
                              "use nn.BatchNorm*d, or convert to SyncBatchNorm only where the model runs on GPUs)")
+    ignored, in_backward = ddp_markings(module)
+    if ignored:
+        raise NotImplementedError(
+            f"gradsync: the module has parameters or buffers marked for torch's DDP to ignore ({sorted(ignored)[:5]}, "
+            "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model); gradsync would synchronize them. "
+            "Wrap only the part to synchronize, or use torch's DistributedDataParallel.")
+    if in_backward:
+        raise NotImplementedError(
+            f"gradsync: parameters {in_backward[:5]} step their optimizer in their own backward "
+            "(torch.distributed.optim._apply_optimizer_in_backward), before gradsync averages their gradients. Use a "
+            "plain optimizer, or gradsync.overlap_optimizer(model, optimizer), which steps each bucket once averaged.")
     trainable = [(n, p) for n, p in named if p.requires_grad]
     if not trainable:
         raise RuntimeError("gradsync: the module has no parameters that require gradients; "
