@@ -27,6 +27,9 @@ def net(buffers: bool = False) -> nn.Module:
 def wrap(kind: str, module: nn.Module) -> nn.Module:
     if kind == "torch":
         return nn.parallel.DistributedDataParallel(module)
+    if kind == "replaced":  # Accelerate's and Lightning's path: torch's name builds gradsync's wrapper
+        with gradsync.replace_torch_ddp():
+            return nn.parallel.DistributedDataParallel(module)
     return gradsync.DistributedDataParallel(module, deterministic=kind == "deterministic")
 
 
@@ -54,10 +57,12 @@ def one_process(global_batch: int) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize("items", [False, True], ids=["mean", "num_items"])
-def test_torch_ddp_with_an_uneven_deal_gets_the_mean_over_the_window(items):
+@pytest.mark.parametrize("kind", ["torch", "replaced"])
+def test_torch_ddp_with_an_uneven_deal_gets_the_mean_over_the_window(items, kind):
     """3 micro-batches dealt 2 and 1 under torch's own DDP (no phase header): each rank's gradient is the
-    mean over all 3, as on one process (the accumulator's fallback used to assume every rank ran 2 or 1)."""
-    results = run_ranks(window_grads, 2, "torch", 12, items, timeout=60)
+    mean over all 3, as on one process (the accumulator's fallback used to assume every rank ran 2 or 1). Built
+    through replace_torch_ddp() it is gradsync's, which has no will_sync_module_buffers: the check raised."""
+    results = run_ranks(window_grads, 2, kind, 12, items, timeout=60)
     assert [len(ran) for ran, _ in results] == [2, 1]
     for _, got in results:
         for g, want in zip(got, one_process(12)):

@@ -213,11 +213,11 @@ def _check_uneven(acc: Any, counts: list[int]) -> None:
                          f"(each one synchronizes), but this window's micro-batches were dealt {counts}; use steps=, "
                          "or a global_batch whose micro-batches divide evenly among the members")
     model = getattr(acc, "model", None)
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        broadcasts = model.will_sync_module_buffers()
+    will = getattr(model, "will_broadcast_buffers", None)  # gradsync's, also when built by torch's name
+    if will is not None:
+        broadcasts = will() and next(model.module.buffers(), None) is not None
     else:
-        will = getattr(model, "will_broadcast_buffers", None)
-        broadcasts = will is not None and will() and next(model.module.buffers(), None) is not None
+        broadcasts = isinstance(model, torch.nn.parallel.DistributedDataParallel) and model.will_sync_module_buffers()
     if broadcasts:
         raise ValueError(f"gradsync: this window's micro-batches were dealt {counts}, but the model broadcasts "
                          "its buffers at every forward, a collective that would pair with a different one on "
