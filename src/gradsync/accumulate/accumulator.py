@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .._torch import stamp, unchanged
 from ..engine.errors import SyncError
 from ..ddp.seam import SyncTarget
 from .. import process
@@ -58,7 +59,7 @@ class GradientAccumulator(WindowClose):
             self._target.keep_window_apart()
         self.wrapped_optimizers, self.wrapped_schedulers = [], []  # sent to a replica that joins (elastic/join.py)
         self._boundary_done = -1  # the window boundary at_window_start() last ran at
-        self._owed: str | None = None  # a window this rank's skip closed: no wrapped step or zero_grad since
+        self._owed: Any = None  # (what, [(param, stamp of its .grad)]): a window this rank's skip closed, not yet acted on
         self.noise = NoiseEstimates(model, noise_scale)  # the gradient noise scale and the window's norm (noise.py)
         if noise_scale and self._target is not None:
             if getattr(model, "sharded", False) or sync_each_batch:
@@ -227,8 +228,9 @@ class GradientAccumulator(WindowClose):
             self._ran, self._units, self._items, self._sent = [], 0, None, (0.0, 0.0)
         if self._boundary:
             self._close(carried)
-            if self.wrapped_optimizers and not self.window_empty:
-                self._owed = f"window {self.windows - 1} closed with micro-step {step} skipped ({reason_of(exc)})"
+            if self.wrapped_optimizers and not self.window_empty:  # and the window's gradients, to see them cleared
+                marks = [(p, stamp(p.grad)) for p in self.model.parameters() if p.grad is not None]
+                self._owed = (f"window {self.windows - 1} closed with micro-step {step} skipped ({reason_of(exc)})", marks)
 
     def optimizer_acted(self) -> None:
         """A wrapped optimizer's step or zero_grad ran where a window ends (``optim.py``)."""
@@ -238,12 +240,13 @@ class GradientAccumulator(WindowClose):
         """Before the next window, and where ``iterate`` runs out: refuse a closed window whose optimizer lines
         this rank's skip jumped over (it would train on while the others stepped, or add the next window to it)."""
         if self._owed is not None:
-            owed, self._owed = self._owed, None
-            raise RuntimeError(
-                f"gradsync: on this rank {owed}, and neither optimizer.step() nor optimizer.zero_grad() ran "
-                "after it: a skip leaves `with acc.accumulate():` at once, so the lines after it inside the block "
-                "do not run on the rank that skipped, while the other ranks step. Call optimizer.step(), "
-                "scheduler.step() and optimizer.zero_grad() after the `with acc.accumulate():` block.")
+            (owed, marks), self._owed = self._owed, None
+            if marks and all(unchanged(mark, p.grad) for p, mark in marks):  # nothing stepped nor cleared them
+                raise RuntimeError(
+                    f"gradsync: on this rank {owed}, and neither optimizer.step() nor a zero_grad ran after it (its "
+                    "gradients are as the synced backward left them): a skip leaves `with acc.accumulate():` at once, "
+                    "so the lines after it inside the block do not run on the rank that skipped, while the other "
+                    "ranks step. Call optimizer.step(), scheduler.step() and optimizer.zero_grad() after the block.")
 
     def state_dict(self) -> dict[str, Any]:
         """The window's position and normalization state (``Windows``), and the noise scale's running sums."""
