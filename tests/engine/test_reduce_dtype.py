@@ -6,6 +6,7 @@ Tolerance: relative L2 error below 1e-6 (fp32 sums of a few dozen bf16 values ar
 where the bf16 default path is off by more than 1e-4.
 """
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -243,7 +244,16 @@ def test_a_tensor_hook_registered_after_wrapping_changes_the_reduced_gradient():
     assert run_ranks(user_hooks, 2, "tensor") == [0.0, 0.0]
 
 
-def test_a_post_accumulate_grad_hook_is_refused_at_the_forward():
-    """Its change to .grad reached no slot: the slot took the gradient before AccumulateGrad."""
-    for kind, message, _ in faults(lambda rank, world_size: outcome(lambda: user_hooks(rank, world_size, "post"))):
-        assert kind == "RuntimeError" and "register_post_accumulate_grad_hook" in message and "weight" in message, message
+def warned_of_a_post_hook(rank, world_size):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        user_hooks(rank, world_size, "post")
+        user_hooks(rank, world_size, "post")
+    return [str(w.message) for w in caught if "register_post_accumulate_grad_hook" in str(w.message)]
+
+
+def test_a_post_accumulate_grad_hook_is_warned_of_by_each_model():
+    """Its change to .grad reaches no slot (the slot took the gradient before AccumulateGrad): said, not refused, since
+    a hook that only reads (logging) is fine."""
+    for messages in run_ranks(warned_of_a_post_hook, 2):
+        assert len(messages) == 2 and "'weight'" in messages[0] and "param.register_hook" in messages[0], messages

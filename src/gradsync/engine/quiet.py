@@ -11,6 +11,7 @@ offers no way to avoid.
 """
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from itertools import compress, repeat
@@ -51,6 +52,7 @@ class QuietHooks:
         self.hooks = [hooks[key] for hooks, key in zip(self.dicts, self.keys)]
         self.muted: tuple[list, list, list] | tuple[()] = ()  # (dicts, keys, hooks) taken out, until put back
         self.fresh = False  # with views: the muted backward leaves .grad that are not views, taken in at its end
+        self.warned = False  # keep_last's warning about a post-accumulate-grad hook under reduce_dtype, once
 
     def mute(self, store: Any = None) -> bool:
         """Take the hooks out of each parameter that has no other (another's hooks keep their order). With the
@@ -88,13 +90,14 @@ class QuietHooks:
             move_last(*main.pre_hooks)
         if all(map((1).__eq__, map(len, self.dicts))):  # one C loop: no parameter has another hook
             return
-        if main is not None:
+        if main is not None and not self.warned:  # a hook that only reads is fine: said once, not refused
+            self.warned = True
             name = main.names[next(i for i, d in enumerate(self.dicts) if len(d) > 1)]
-            raise RuntimeError(
+            warnings.warn(
                 f"gradsync: parameter {name!r} has a hook from register_post_accumulate_grad_hook; with reduce_dtype "
-                "each gradient is added into its main_grad slot before AccumulateGrad, so that hook's change to "
-                ".grad would not be reduced. Register it with param.register_hook (it then sees the gradient "
-                "first), or build the model without reduce_dtype.")
+                "each gradient is added into its main_grad slot before AccumulateGrad, so a change that hook makes to "
+                ".grad is not reduced (one that only reads is fine). To change the gradient, register the hook with "
+                "param.register_hook: it then sees the gradient first.", stacklevel=4)
         move_last(self.dicts, self.keys, self.hooks)
 
     def unmute(self) -> None:
