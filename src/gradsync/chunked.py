@@ -38,7 +38,7 @@ class Chunked(nn.Module):
             raise ValueError(f"gradsync: chunks must be an integer >= 1, got {chunks!r}")
         self.module = module
         self.chunks = chunks
-        self._buffers_checked: set[bool] = set()  # training modes whose forward is known not to change buffers
+        self._buffers_checked: dict[bool, int] = {}  # training mode -> its forwards so far (two are checked)
 
     def extra_repr(self) -> str:
         return f"chunks={self.chunks}"
@@ -66,11 +66,12 @@ class Chunked(nn.Module):
         plan = _Plan(self.module, spec, leaves, [i for i, _ in tensors],
                      [x.dim() > 0 and x.shape[0] == rows for _, x in tensors],
                      row_bounds(rows, min(self.chunks, rows)), params)
-        mode = self.module.training
-        # once per mode: comparing the buffers' values waits for the device
-        plan.check_buffers = mode not in self._buffers_checked
+        # comparing the buffers' values waits for the device: the first two forwards per mode only. A buffer set once
+        # (a lazy initialization) changes in chunk 0 of the first: with one chunk there, the second is checked
+        mode, seen = self.module.training, self._buffers_checked.get(self.module.training, 0)
+        plan.check_buffers = seen == 1 or (seen == 0 and len(plan.bounds) > 1)
         outputs = _ChunkedFunction.apply(plan, *(x for _, x in tensors), *params)
-        self._buffers_checked.add(mode)
+        self._buffers_checked[mode] = seen + 1
         return plan.rebuild_output(outputs)
 
     def _check_rows_independent(self) -> None:

@@ -327,7 +327,11 @@ def test_buffers_updated_in_forward_are_refused(how):
     gradsync.Chunked(module, 4)(x)
 
 
-def test_a_buffer_set_once_is_not_refused():
-    module, x = Tracker("once"), torch.randn(8, 8)
-    gradsync.Chunked(module, 4)(x).sum().backward()
+@pytest.mark.parametrize("chunks, rows", [(4, 8), (1, 8), (4, 1)])
+def test_a_buffer_set_once_is_not_refused(chunks, rows):
+    """With one chunk (chunks=1, or a batch of one row) the last chunk was the first, where the buffer is set."""
+    module, x = Tracker("once"), torch.randn(rows, 8)
+    chunked = gradsync.Chunked(module, chunks)
+    for _ in range(3):
+        chunked(x).sum().backward()
     assert float(module.seen) == 1.0 and module.l.weight.grad is not None
