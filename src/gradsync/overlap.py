@@ -85,9 +85,11 @@ class OverlappedStep:
         if self.stepped:  # stepping again would apply the first backward's gradient twice: no loop does that
             raise RuntimeError(
                 "gradsync: a second synced backward before optimizer.step() (two losses backpropagated one after "
-                "the other, or a GAN's generator loss through the discriminator): with overlap_optimizer each "
-                "synced backward steps the optimizer, so the step would not see the gradients summed. Sum the "
-                "losses into one backward, run the earlier ones under model.no_sync(), or remove overlap_optimizer.")
+                "the other, a GAN's generator loss through the discriminator, or a loop without optimizer.step(): "
+                "with overlap_optimizer it steps nothing but marks where a step ends): each synced backward steps "
+                "the optimizer, so the step would not see the gradients summed. Call optimizer.step() after each "
+                "step's backward, sum the losses into one backward, run the earlier ones under model.no_sync(), or "
+                "remove overlap_optimizer.")
         params = [self.reducer.params[i] for i in members]
         last = members[-1] == self.reducer.buckets[-1].members[-1]
         factor = self.rescale() if self.rescale is not None else 1.0
