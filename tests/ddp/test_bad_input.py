@@ -147,3 +147,26 @@ def test_what_torchs_ddp_reads_off_the_module_and_gradsync_does_not_is_refused(h
     own backward stepped on this rank's gradient before any reduction (the replicas parted)."""
     for kind, message, _ in run_ranks(marked_by_torch, 2, how, timeout=60):
         assert kind == "NotImplementedError" and words in message, (kind, message)
+
+
+def differing_construction(rank, world_size, how):
+    import warnings
+    torch.manual_seed(0)
+    if how == "bias":
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2, bias=rank == 0))
+    else:
+        net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    kwargs = {}
+    if how == "buffers":  # both skip the forwards' broadcasts; only rank 0 syncs its buffers at construction
+        kwargs = dict(forward_sync_buffers=False) if rank == 0 else dict(broadcast_buffers=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return outcome(lambda: gradsync.DDP(net, timeout=60, **kwargs))
+
+
+@pytest.mark.parametrize("how, words", [("buffers", "init_sync_buffers"), ("bias", "only on rank 0: ['2.bias']")])
+def test_constructions_that_differ_are_named_on_every_rank(how, words):
+    """Buffers synced at construction on one rank only: gloo aborted a process (the broadcasts differed in size). A
+    missing bias was blamed on an option ('bucket_cap_mb')."""
+    for kind, message, _ in run_ranks(differing_construction, 2, how, timeout=90):
+        assert kind == "ValueError" and words in message, (kind, message)

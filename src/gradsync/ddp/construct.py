@@ -73,6 +73,7 @@ def describe(module: nn.Module, options: Any) -> list[tuple]:
     rows.append(("option", "delay_all_reduce_named_params", repr(sorted(options.delayed)), "", False))
     if any(row[0] == "buffer" for row in rows):
         rows.append(("option", "broadcast_buffers", repr(options.forward_sync_buffers), "", False))
+        rows.append(("option", "init_sync_buffers", repr(options.init_sync_buffers), "", False))  # the next broadcast
     return rows
 
 
@@ -108,18 +109,22 @@ def verify_same_model(module: nn.Module, group: dist.ProcessGroup, options: Any,
 
 
 def _first_difference(reference: list[tuple], rows: list[tuple]) -> str:
-    for ref, row in zip(reference, rows):
-        if ref != row:
-            if ref[0] == row[0] == "option":
-                return f"has {row[1]}={row[2]} (rank 0: {ref[2]}): pass the same options on every rank"
-            if ref[1] != row[1]:
-                return f"has {row[0]} '{row[1]}' where rank 0 has {ref[0]} '{ref[1]}'"
-            fields = ("shape", "dtype", "requires_grad")
-            diffs = [f"{f} {b} (rank 0: {a})" for f, a, b in zip(fields, ref[2:], row[2:]) if a != b]
-            return f"{row[0]} '{row[1]}' has " + ", ".join(diffs)
-    count = lambda rs, kind: sum(r[0] == kind for r in rs)  # noqa: E731
-    return (f"{count(rows, 'parameter')} parameters and {count(rows, 'buffer')} buffers, rank 0 has "
-            f"{count(reference, 'parameter')} and {count(reference, 'buffer')}")
+    """The first way ``rows`` differs from rank 0's ``reference``: parameters, then buffers, then options, each apart."""
+    for kind in ("parameter", "buffer", "option"):
+        ref, mine = [r for r in reference if r[0] == kind], [r for r in rows if r[0] == kind]
+        ref_names, my_names = [r[1] for r in ref], [r[1] for r in mine]
+        if ref_names != my_names:
+            only_0, only_here = [n for n in ref_names if n not in my_names], [n for n in my_names if n not in ref_names]
+            if only_0 or only_here:
+                return f"has {len(mine)} {kind}s where rank 0 has {len(ref)} (only on rank 0: {only_0[:5]}; only here: {only_here[:5]})"
+            return f"has its {kind}s in another order than rank 0's"
+        for a, b in zip(ref, mine):
+            if a != b and kind == "option":
+                return f"has {b[1]}={b[2]} (rank 0: {a[2]}): pass the same options on every rank"
+            if a != b:
+                diffs = [f"{f} {y} (rank 0: {x})" for f, x, y in zip(("shape", "dtype", "requires_grad"), a[2:], b[2:]) if x != y]
+                return f"{kind} '{b[1]}' has " + ", ".join(diffs)
+    return "a description that differs from rank 0's"
 
 
 def broadcast_coalesced(tensors: list[torch.Tensor], group: dist.ProcessGroup, wait: Callable,
