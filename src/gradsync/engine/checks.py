@@ -84,7 +84,8 @@ def check_finite(results: Sequence[torch.Tensor], members: Sequence[Sequence[int
     raise FloatingPointError(
         f"gradsync: the synchronized gradient of {len(bad)} parameter(s) contains NaN or inf: "
         f"{', '.join(bad[:20])}{' ...' if len(bad) > 20 else ''} (on at least one rank the local gradient "
-        "was not finite). The gradients were not written back; skip this step (optimizer.zero_grad()) or "
+        "was not finite). The averages were not written back (with gradient views .grad is the bucket, reduced in "
+        "place); skip this step (optimizer.zero_grad()) or "
         "lower the learning rate / use loss scaling.")
 
 
