@@ -170,3 +170,28 @@ def test_constructions_that_differ_are_named_on_every_rank(how, words):
     missing bias was blamed on an option ('bucket_cap_mb')."""
     for kind, message, _ in run_ranks(differing_construction, 2, how, timeout=90):
         assert kind == "ValueError" and words in message, (kind, message)
+
+
+def step_after_a_caught_check(rank, world_size, zero):
+    model = gradsync.DDP(mlp(), timeout=TIMEOUT, check_finite=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if rank == 1:
+        model.module[2].weight.register_hook(lambda g: g * float("nan"))
+    x, y = batches(1, world_size)[0]
+    try:
+        shard_backward(model, rank, world_size, x, y)
+    except FloatingPointError:
+        pass
+    if zero:
+        opt.zero_grad()
+    return outcome(opt.step)
+
+
+@pytest.mark.parametrize("zero", [False, True], ids=["stepped_at_once", "zeroed_first"])
+def test_a_step_after_a_synced_backward_that_raised_is_refused_until_zero_grad(zero):
+    """.grad still held each rank's own gradient (NaN on rank 1), and the step went through: the replicas parted."""
+    for kind, message, _ in faults(step_after_a_caught_check, zero):
+        if zero:
+            assert kind == "ok", message
+        else:
+            assert kind == "RuntimeError" and "unsynchronized gradients" in message, (kind, message)

@@ -156,7 +156,7 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
                 f"gradsync: {type(optimizer).__name__}.step() would apply unsynchronized gradients: "
                 f"{len(names)} parameter(s) of the {reducer.config.wrapper_name} model ({shown}) hold "
                 "gradients from backward(s) under no_sync() (or without a forward through the "
-                "wrapper) that were not reduced across ranks yet, so every rank would step with its "
+                "wrapper, or a synced backward that raised) that were not reduced across ranks yet, so every rank would step with its "
                 "own gradients and the replicas would drift apart. Run the accumulation window's last "
                 "backward with gradient sync enabled before optimizer.step(), or wrap the optimizer "
                 "with GradientAccumulator.wrap_optimizer() so that it steps only where a window ends "

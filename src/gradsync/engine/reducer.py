@@ -220,7 +220,7 @@ class Reducer:
             elif self.it.adopt and (self.quiet.fresh or not self.quiet.muted):  # with views: a .grad not its view
                 self.store.adopt_views()  # is taken in, in the buckets this backward left incomplete
         except Exception as exc:
-            self.last_error = messages.logged(exc)  # _get_ddp_logging_data()["error"], as torch's logger
+            self.last_error, self.unsynced = messages.logged(exc), self.world_size > 1  # torch's log; guard.py: no step
             raise
         finally:
             self.it.in_backward = self.it.syncing = self.it.fast = False
