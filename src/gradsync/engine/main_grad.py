@@ -15,8 +15,9 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from .._torch import post_accumulate_hooks, stamp, unchanged
+from .._torch import stamp, unchanged
 from .checks import check_grad
+from .quiet import hook_slots
 
 
 class MainGrads:
@@ -32,8 +33,7 @@ class MainGrads:
         self._written: list[tuple[weakref.ref, int] | None] = [None] * n  # stamp() of the .grad written back
         me = weakref.ref(self)
         self.handles = [p.register_hook(_pre_hook(me, i)) for i, p in enumerate(params)]
-        dicts = [post_accumulate_hooks(p, pre=True) for p in params]  # quiet.keep_last keeps each hook last
-        self.pre_hooks = (dicts, [h.id for h in self.handles], [d[h.id] for d, h in zip(dicts, self.handles)])
+        self.pre_hooks = hook_slots(params, self.handles, pre=True)  # quiet.keep_last keeps each hook last
 
     def release(self) -> None:
         """The wrapper is gone: gradients stay in ``.grad`` from now on."""

@@ -32,6 +32,13 @@ GRAD = attrgetter("grad")
 LEND_BYTES = 16 * 1024
 
 
+def hook_slots(params: Sequence[torch.Tensor], handles: Sequence[Any], pre: bool = False) -> tuple[list, list, list]:
+    """Each parameter's hook dict (``pre``: of tensor hooks), the key of ``handles``' hook in it, and that hook."""
+    dicts = [post_accumulate_hooks(p, pre) for p in params]
+    keys = [h.id for h in handles]
+    return dicts, keys, [d[key] for d, key in zip(dicts, keys)]
+
+
 def move_last(dicts: Sequence[Any], keys: Sequence[int], hooks: Sequence[Any]) -> None:
     """Each ``hooks[k]`` last in ``dicts[k]``: autograd walks the plain dict's order, which ``move_to_end`` does not
     change, so taken out and put back."""
@@ -47,9 +54,7 @@ class QuietHooks:
     def __init__(self, params: Sequence[torch.Tensor], handles: Sequence[Any]):
         self.params, self.nbytes = params, [p.numel() * p.element_size() for p in params]
         self.small = [n <= LEND_BYTES for n in self.nbytes]
-        self.dicts = list(map(post_accumulate_hooks, params))  # each parameter's hook dict, our key in it, our hook
-        self.keys = [h.id for h in handles]
-        self.hooks = [hooks[key] for hooks, key in zip(self.dicts, self.keys)]
+        self.dicts, self.keys, self.hooks = hook_slots(params, handles)
         self.muted: tuple[list, list, list] | tuple[()] = ()  # (dicts, keys, hooks) taken out, until put back
         self.fresh = False  # with views: the muted backward leaves .grad that are not views, taken in at its end
         self.warned = False  # keep_last's warning about a post-accumulate-grad hook under reduce_dtype, once
@@ -83,7 +88,7 @@ class QuietHooks:
         """Each hook after every other post-accumulate-grad hook of its parameter, as torch's reducer runs after
         AccumulateGrad's: a hook the user registered after wrapping changes the gradient that is reduced. Between
         backwards only (a dict autograd is walking must not change). ``store.main`` (``reduce_dtype``) takes each
-        gradient in a tensor hook, before AccumulateGrad: it stays after the user's tensor hooks, and refuses theirs
+        gradient in a tensor hook, before AccumulateGrad: it stays after the user's tensor hooks, and warns of theirs
         after AccumulateGrad, whose change to ``.grad`` no slot would see."""
         main = getattr(store, "main", None)
         if main is not None:
@@ -136,4 +141,4 @@ def lend_views(store: Any, grads: list[torch.Tensor | None], small: list[bool]) 
     return list(map(GRAD, params))
 
 
-__all__ = ["LEND_BYTES", "QuietHooks", "lend_views"]
+__all__ = ["hook_slots", "move_last", "LEND_BYTES", "QuietHooks", "lend_views"]

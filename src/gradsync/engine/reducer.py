@@ -253,7 +253,7 @@ class Reducer:
         # its own work, and every wait on the others: in its hooks (the header) and after its last gradient
         times = (max((ready - self.counters.forward_end - it.hook_wait) * 1e6, 0), (time.perf_counter() - ready + it.hook_wait) * 1e6)
         verdict = self.plane.read_control(control, n, times, results)  # times ride in the next synced backward's
-        self.last_report = telemetry.record_report(verdict, self.counters.sync - 1, self.stragglers, self.trace) or self.last_report
+        telemetry.take_report(self, verdict, self.trace)
         self.local_norms = telemetry.local_norms(verdict) if self.measure_norm else None
         self.failed_ranks = sorted(verdict.failed)
         if verdict.failed:  # a rank's backward failed part-way: reduce again without its window

@@ -36,9 +36,7 @@ def shadow_backward(reducer: Reducer) -> None:
     verdict = Verdict(control.cpu(), reducer.rank, reducer.world_size, len(reducer.params), plane.active(),
                       reducer.counters.sync, plane.extra_slots())
     flags = verdict.failed
-    # the report the active ranks' control carried, and their straggler warning: the same on every rank
-    reducer.last_report = telemetry.record_report(verdict, reducer.counters.sync - 1, reducer.stragglers, None) or \
-        reducer.last_report
+    telemetry.take_report(reducer, verdict, None)  # the active ranks' report and straggler warning, as theirs
     failed = sorted(flags)
     if 2 in flags.values():  # the active ranks raise too: their window held gradients synced earlier (sync_each_batch)
         raise SyncError(f"gradsync: rank(s) {failed} failed part-way through a synced backward that joined rank "

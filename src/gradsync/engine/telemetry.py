@@ -130,6 +130,11 @@ def record_report(verdict: Any, sync: int, stragglers: Stragglers | None, trace:
     return report
 
 
+def take_report(reducer: Any, verdict: Any, trace: list[dict] | None) -> None:
+    """Keep the report the reduced control carried (the synced backward before it) as the reducer's latest."""
+    reducer.last_report = record_report(verdict, reducer.counters.sync - 1, reducer.stragglers, trace) or reducer.last_report
+
+
 def local_norms(verdict: Any) -> dict[int, float]:
     """Every active rank's local squared gradient norm, from this synced backward's control."""
     norms = verdict.telemetry()[1].tolist()
@@ -176,4 +181,4 @@ def chrome_trace(records_by_rank: list[list[dict]]) -> dict:
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-__all__ = ["add_norm2", "enable_trace", "record_trace", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "local_norms", "read_report", "record_report"]
+__all__ = ["add_norm2", "enable_trace", "record_trace", "RankSync", "Stragglers", "SyncReport", "chrome_trace", "local_norm2", "local_norms", "read_report", "record_report", "take_report"]
