@@ -233,7 +233,7 @@ class GradientAccumulator(WindowClose):
                 self._owed = (f"window {self.windows - 1} closed with micro-step {step} skipped ({reason_of(exc)})", marks)
 
     def optimizer_acted(self) -> None:
-        """A wrapped optimizer's step or zero_grad ran where a window ends (``optim.py``)."""
+        """A wrapped optimizer stepped where a window ends (``optim.py``); a zero_grad shows in the gradients' marks."""
         self._owed = None
 
     def data_ended(self) -> None:

@@ -44,8 +44,6 @@ class WindowOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self._acc.may_zero():
-            if self._acc.is_boundary:
-                self._acc.optimizer_acted()
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
