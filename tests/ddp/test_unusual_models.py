@@ -223,6 +223,26 @@ def test_sparse_embedding_is_refused_at_construction():
             assert_close_dicts(a, b)
 
 
+def sparse_tensors(rank, world_size):
+    """A sparse parameter (torch refuses it: "No support for sparse tensors") and a sparse buffer (a graph's adjacency
+    matrix: broadcast unless broadcast_buffers=False)."""
+    adjacency = torch.sparse_coo_tensor([[0, 1], [1, 0]], [1.0, 1.0], (2, 2))
+    with_param, with_buffer = nn.Linear(2, 2), nn.Linear(2, 2)
+    with_param.sparse = nn.Parameter(adjacency.clone(), requires_grad=False)
+    with_buffer.register_buffer("adjacency", adjacency)
+    return [outcome(lambda: gradsync.DDP(with_param, timeout=TIMEOUT)),
+            outcome(lambda: gradsync.DDP(with_buffer, timeout=TIMEOUT)),
+            outcome(lambda: gradsync.DDP(with_buffer, timeout=TIMEOUT, broadcast_buffers=False))]
+
+
+def test_sparse_parameters_and_broadcast_sparse_buffers_are_refused_clearly():
+    for param, buffer, local_buffer in faults(sparse_tensors):
+        assert param[0] == "NotImplementedError" and "parameter 'sparse' is a torch.sparse_coo tensor" in param[1], param
+        assert buffer[0] == "NotImplementedError" and "buffer 'adjacency' is a torch.sparse_coo tensor" in buffer[1]
+        assert "broadcast_buffers=False" in buffer[1], buffer
+        assert local_buffer[0] == "ok", local_buffer  # a rank's own buffer: never broadcast
+
+
 class FunctionalSparse(nn.Module):
     def __init__(self, width=VOCAB):
         super().__init__()
@@ -232,9 +252,10 @@ class FunctionalSparse(nn.Module):
         return F.embedding(x, self.weight, sparse=True)[:, :VOCAB]
 
 
-def functional_sparse(rank, world_size, view, window):
+def functional_sparse(rank, world_size, view, window, deterministic=False):
     # a window's no_sync micro-step first, with a weight too large to be lent its view (engine/quiet.py)
-    model = gradsync.DDP(FunctionalSparse(1024 if window else VOCAB), timeout=TIMEOUT, gradient_as_bucket_view=view)
+    model = gradsync.DDP(FunctionalSparse(1024 if window else VOCAB), timeout=TIMEOUT, gradient_as_bucket_view=view,
+                         deterministic=deterministic)
 
     def run():
         if window:
@@ -244,9 +265,10 @@ def functional_sparse(rank, world_size, view, window):
     return outcome(run)
 
 
-@pytest.mark.parametrize("view,window", [(False, False), (True, False), (True, True)])
-def test_sparse_gradient_without_an_embedding_module_is_refused_at_the_backward(view, window):
-    for kind, message, _ in faults(functional_sparse, view, window):
+@pytest.mark.parametrize("view,window,deterministic", [(False, False, False), (True, False, False), (True, True, False),
+                                                       (False, False, True), (True, False, True)])
+def test_sparse_gradient_without_an_embedding_module_is_refused_at_the_backward(view, window, deterministic):
+    for kind, message, _ in faults(functional_sparse, view, window, deterministic):
         assert kind == "RuntimeError" and "'weight' has a torch.sparse_coo gradient" in message, message
 
 

@@ -179,6 +179,15 @@ def _chunks(tensors: list[torch.Tensor], chunk_bytes: int):
         yield chunk
 
 
+def check_broadcast_buffers(module: nn.Module) -> None:
+    """Refuse buffers the wrapper would broadcast but cannot: sparse ones."""
+    for name, b in module.named_buffers():
+        if b.layout != torch.strided:
+            raise NotImplementedError(
+                f"gradsync: buffer '{name}' is a {b.layout} tensor, which gradsync cannot broadcast. Pass "
+                "broadcast_buffers=False (each rank then keeps its own buffers) or make it dense (.to_dense())")
+
+
 def check_wrappable(module: nn.Module, wrapper_types: tuple[type, ...]) -> list[tuple[str, nn.Parameter]]:
     """Return the trainable (name, parameter) pairs, or raise if ``module`` cannot be wrapped."""
     if not dist.is_available() or not dist.is_initialized():
@@ -196,6 +205,9 @@ def check_wrappable(module: nn.Module, wrapper_types: tuple[type, ...]) -> list[
             raise NotImplementedError(
                 f"gradsync: parameter '{name}' is a DTensor (tensor parallelism); gradsync reduces "
                 "plain tensors only. Use torch's DistributedDataParallel for DDP + tensor parallel.")
+        if p.layout != torch.strided:  # torch refuses them too ("No support for sparse tensors")
+            raise NotImplementedError(f"gradsync: parameter '{name}' is a {p.layout} tensor; gradsync synchronizes "
+                                      "dense parameters only. Make it dense (.to_dense()) or keep it out of the module")
         if p.is_meta:  # a meta buffer is harmless: broadcasting it does nothing, as in torch
             raise ValueError(f"gradsync: parameter '{name}' is on the meta device (it has no data). "
                              "Materialize the module before wrapping it: module.to_empty(device=...), "

@@ -19,7 +19,7 @@ from .. import process
 from .._torch import TorchDDP, default_first_bucket_bytes, device_index, group_timeout
 from ..engine.config import ReducerConfig, resolve_reduce_dtype
 from ..engine.layout import MiB
-from .construct import check_wrappable
+from .construct import check_broadcast_buffers, check_wrappable
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_CAP_MB = default_first_bucket_bytes() / MiB
@@ -74,6 +74,8 @@ def resolve(wrapper: type, module: nn.Module, *, refuse: tuple[type, ...], devic
                                   "parameter; leave at least one to the reducer")
     ids, output = resolve_device_ids(device_ids, output_device, [p for _, p in trainable])
     forward_sync, init_sync = resolve_buffer_sync(broadcast_buffers, forward_sync_buffers)
+    if forward_sync or init_sync:
+        check_broadcast_buffers(module)
     device = trainable[0][1].device
     auto = resolve_auto_cap(bucket_cap_mb, bucket_cap_mb_list)
     caps, first_cap = resolve_bucket_caps(None if auto else bucket_cap_mb, bucket_cap_mb_list, first_bucket_cap_mb)

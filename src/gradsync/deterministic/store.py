@@ -76,6 +76,8 @@ class TreeStore(BucketStore):
         if self.trees[i] or (grad is not None and self.grad_as_view and self._is_slot(i, grad)):
             self.keep_local(i)
         total, view = self.trees[i].total() if self.trees[i] else self.params[i].grad, self.views[i]
+        if total is not None and not self.trees[i]:  # autograd's own tensor, unchecked so far
+            check_grad(total, view, self.names[i])
         if total is None:
             view.zero_()
         elif divide:
