@@ -64,13 +64,22 @@ def test_joined_ranks_must_send_zeros():
 
 
 def test_missing_gradients_are_named_with_the_flag():
-    names = ["a.weight", "b.weight"]
+    names, params = ["a.weight", "b.weight"], [torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)]
     check_agreement(reduced(*(control_tensor(r, 2, 4, 4, [True, True]) for r in range(2))),
-                    rank=0, world_size=2, n=2, active=[0, 1], sync_count=0).check_missing(names)
+                    rank=0, world_size=2, n=2, active=[0, 1], sync_count=0).check_missing(names, params)
     verdict = check_agreement(reduced(control_tensor(0, 2, 4, 4, [True, True]), control_tensor(1, 2, 4, 4, [True, False])),
                               rank=0, world_size=2, n=2, active=[0, 1], sync_count=0)
     with pytest.raises(RuntimeError, match=r"1 parameter\(s\).*: b.weight\..*find_unused_parameters=True"):
-        verdict.check_missing(names)
+        verdict.check_missing(names, params)
+    params[1].requires_grad_(False)  # frozen here, but another rank produced its gradient: still refused
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\).*: b.weight\."):
+        verdict.check_missing(names, params)
+    nowhere = check_agreement(reduced(*(control_tensor(r, 2, 4, 4, [True, False]) for r in range(2))),
+                              rank=0, world_size=2, n=2, active=[0, 1], sync_count=0)
+    nowhere.check_missing(names, params)  # frozen on every rank: left alone
+    params[1].requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\).*: b.weight\."):
+        nowhere.check_missing(names, params)
 
 
 def test_non_finite_gradients_are_named():

@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 import gradsync
 from gradsync.tools.launch import run_ranks
@@ -216,7 +217,9 @@ def test_mixed_dtypes_get_separate_buckets_and_frozen_params_are_left_alone():
 
 def changed_after_wrapping(rank, world_size, how, trained):
     module = mlp()
-    model = gradsync.DDP(module)
+    if how == "unfrozen":  # frozen at construction: it has no hook and no slot
+        module[0].bias.requires_grad_(False)
+    model = gradsync.DDP(module, static_graph=how == "frozen")  # static_graph promises the same gradients each time
     if trained:  # the wrapper keeps its walk of the module tree: a change must still be seen
         model(torch.randn(2, 8)).sum().backward()
     if how == "removed":
@@ -225,18 +228,21 @@ def changed_after_wrapping(rank, world_size, how, trained):
         module.extra = nn.Linear(2, 2)
     elif how == "frozen":
         module[0].weight.requires_grad_(False)
+    elif how == "unfrozen":
+        module[0].bias.requires_grad_(True)
     else:
         module[-1].bias.requires_grad_(True)
         module[0].bias.requires_grad_(False)
         module[0].bias.requires_grad_(True)
         module[-1].weight = nn.Parameter(module[-1].weight.detach().clone())
-    expected = ("parameter '0.weight' was frozen .* wrap the module again after the change" if how == "frozen"
-                else "parameters changed after it was wrapped")
+    expected = {"frozen": "parameter '0.weight' was frozen .* wrap the module again after the change",
+                "unfrozen": "parameter '0.bias' was unfrozen .* required gradients at construction"}.get(
+                    how, "parameters changed after it was wrapped")
     with pytest.raises(RuntimeError, match=expected):
         model(torch.randn(2, 8))
 
 
-@pytest.mark.parametrize("how,trained", [("added", False), ("frozen", False), ("replaced", False),
+@pytest.mark.parametrize("how,trained", [("added", False), ("frozen", False), ("replaced", False), ("unfrozen", False),
                                          ("added", True), ("frozen", True), ("replaced", True), ("removed", True)])
 def test_parameters_changed_after_wrapping_raise(how, trained):
     run_ranks(changed_after_wrapping, 2, how, trained)
@@ -262,6 +268,60 @@ def test_a_layer_frozen_by_wrapping_again_trains_like_one_process():
     for ours, one_process in run_ranks(freeze_then_wrap_again, 2):
         assert_close_dicts(ours, one_process)
         assert not torch.equal(ours["0.bias"], mlp(seed=0)[0].bias.detach())  # the layer's bias trained on
+
+
+def freeze_and_unfreeze(rank, world_size, view):
+    """Progressive unfreezing with one AdamW over every parameter (weight decay moves any parameter that has a
+    gradient): the first layer frozen after wrapping for two steps, then trained again."""
+    def train(module, wrap, part):
+        opt, model, seen = torch.optim.AdamW(module.parameters(), lr=0.05, weight_decay=0.5), wrap(module), []
+        for k, (x, y) in enumerate(batches(6, world_size)):
+            if k in (2, 4):
+                module[0].requires_grad_(k == 4)
+            opt.zero_grad()
+            F.mse_loss(model(part(x)), part(y)).backward()
+            opt.step()
+            seen.append(params(module[0]))
+        return params(module), seen
+    return (train(mlp(seed=0), lambda m: gradsync.DDP(m, gradient_as_bucket_view=view),
+                  lambda t: shard(t, rank, world_size)),
+            train(mlp(seed=0), lambda m: m, lambda t: t))
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_layer_frozen_and_unfrozen_after_wrapping_trains_like_one_process(view):
+    for (ours, seen), (one_process, _) in run_ranks(freeze_and_unfreeze, 2, view):
+        assert_close_dicts(ours, one_process)
+        assert_close_dicts(seen[1], seen[3], atol=0, rtol=0)  # frozen for steps 2 and 3: not a bit moved
+        assert not seen[3]["weight"].equal(seen[5]["weight"])  # trained again
+
+
+def gan_step_freeze(rank, world_size):
+    """pix2pix/CycleGAN: the wrapped discriminator frozen for the generator's step, unfrozen for its own."""
+    out = []
+    for wrap in (gradsync.DDP, TorchDDP):
+        torch.manual_seed(0)
+        G, D = wrap(nn.Linear(4, 6)), wrap(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)))
+        og, od = torch.optim.SGD(G.parameters(), lr=0.1), torch.optim.AdamW(D.parameters(), lr=0.1)
+        for s in range(3):
+            g = torch.Generator().manual_seed(10 * s + rank)
+            real, z = torch.randn(4, 6, generator=g), torch.randn(4, 4, generator=g)
+            D.requires_grad_(True)
+            od.zero_grad()
+            (F.softplus(D(G(z).detach())).mean() + F.softplus(-D(real)).mean()).backward()
+            od.step()
+            D.requires_grad_(False)
+            og.zero_grad()
+            F.softplus(-D(G(z))).mean().backward()
+            og.step()
+        out.append([p.detach().clone() for p in list(G.parameters()) + list(D.parameters())])
+    return out
+
+
+def test_a_discriminator_frozen_for_the_generator_step_trains_like_torch():
+    for ours, theirs in run_ranks(gan_step_freeze, 2):
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
 
 
 def test_the_module_walk_is_kept_until_a_module_changes():

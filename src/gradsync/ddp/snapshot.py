@@ -28,16 +28,20 @@ class Snapshot:
     impls: list[int]  # TENSOR_IMPL: the hooks live on these; a swap (swap_module_params_on_conversion) leaves them
     slots: tuple | None = None  # the walk's modules' own slot dicts, their lengths, those that held values, the values
     tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what that walk found
+    trainable: list[bool] | None = None  # requires_grad at construction, when a layer may be frozen later
 
     def __setstate__(self, state: dict) -> None:  # a pickled or deep-copied wrapper: new tensors, new TensorImpls
         self.__dict__.update(state)
         self.impls = list(map(TENSOR_IMPL, self.params))
 
 
-def snapshot(module: nn.Module) -> Snapshot:
+def snapshot(module: nn.Module, may_freeze: bool = False) -> Snapshot:
+    """``may_freeze``: a parameter that required gradients at construction may be frozen and unfrozen later (its
+    hook then does not fire, and the synced backward leaves its ``.grad`` alone, as for an unused parameter)."""
     params = list(module.parameters())
-    return Snapshot(params, [p.requires_grad for p in params], [p.dtype for p in params], [p.device for p in params],
-                    list(map(TENSOR_IMPL, params)))
+    grads = [p.requires_grad for p in params]
+    return Snapshot(params, grads, [p.dtype for p in params], [p.device for p in params],
+                    list(map(TENSOR_IMPL, params)), trainable=list(grads) if may_freeze else None)
 
 
 _WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members", "named_modules")
@@ -111,8 +115,8 @@ def parameters_swapped(module: nn.Module, taken: Snapshot, own: Sequence[torch.T
         # parameters are still in use, the backward synchronizes them as usual
         mine = {id(p) for p in own}
         return not any(id(p) in mine for p in current)
-    if len(current) == len(taken.params):
-        _raise_converted(module, taken)
+    if len(current) == len(taken.params) and _raise_converted(module, taken):
+        return False  # layers frozen or unfrozen: the hooks and buckets still fit
     raise RuntimeError(
         "gradsync: the module's parameters changed after it was wrapped (a parameter was added, "
         "removed or replaced, or its requires_grad changed). gradsync only synchronizes the "
@@ -120,11 +124,13 @@ def parameters_swapped(module: nn.Module, taken: Snapshot, own: Sequence[torch.T
     )
 
 
-def _raise_converted(module: nn.Module, taken: Snapshot) -> None:
+def _raise_converted(module: nn.Module, taken: Snapshot) -> bool:
     """Raise if a parameter changed dtype or device (module.double() and .to() keep the Parameter objects,
-    except to or from meta, and swap their data) or requires_grad (a layer frozen or unfrozen)."""
-    for (name, p), dtype, device, was, same, impl in zip(module.named_parameters(), taken.dtypes, taken.devices,
-                                                         taken.requires_grad, taken.params, taken.impls):
+    except to or from meta, and swap their data) or requires_grad (a layer frozen or unfrozen) where that is not
+    allowed; return whether the parameters are the same objects (then only allowed freezes changed, now taken)."""
+    trainable, kept = taken.trainable or [False] * len(taken.params), True
+    for k, ((name, p), dtype, device, was, same, impl) in enumerate(zip(
+            module.named_parameters(), taken.dtypes, taken.devices, taken.requires_grad, taken.params, taken.impls)):
         if p.dtype is not dtype or p.device != device:
             raise RuntimeError(
                 f"gradsync: parameter {name!r} changed from {dtype} on {device} to {p.dtype} on "
@@ -137,13 +143,17 @@ def _raise_converted(module: nn.Module, taken: Snapshot) -> None:
                 "swap_tensors, as module.to(...) does under torch.__future__.set_swap_module_params_on_conversion(True)): "
                 "gradsync's gradient hooks stayed on the old tensor, so no gradient would be synchronized (torch's DDP "
                 "refuses such a conversion). Convert the module before wrapping it, or wrap it again.")
-        if p is same and p.requires_grad != was:
+        if p is same and p.requires_grad != was and trainable[k]:  # it has its hook and slot: frozen or unfrozen
+            taken.requires_grad[k] = p.requires_grad
+        elif p is same and p.requires_grad != was:
             raise RuntimeError(
                 f"gradsync: parameter {name!r} was {'frozen' if was else 'unfrozen'} (requires_grad set to "
                 f"{p.requires_grad}) after the module was wrapped; the gradient buckets and hooks cover the parameters "
                 "that required gradients at construction. To freeze or unfreeze layers during training, wrap the "
                 "module again after the change (model = gradsync.DistributedDataParallel(module, ...)): the new "
                 "wrapper takes the parameters over, and the optimizer keeps working on the same parameters.")
+        kept = kept and p is same
+    return kept
 
 
 def inside_functional_call() -> bool:

@@ -99,7 +99,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.world_size > 1:
                 self.broadcast_tensors(list(module.parameters()) + (list(module.buffers())
                                        if options.init_sync_buffers else []), timeout=options.config.timeout)
-        self.param_snapshot = snapshot(module)
+        self.param_snapshot = snapshot(module, may_freeze=not static_graph and not self.delayed_names)
         self.build_reducer(options.config)
         # a feature that follows the default group (gradsync.elastic) attaches here
         process.announce("wrapper", self, process_group is None and device_mesh is None)

@@ -6,12 +6,12 @@ Gradient buckets are the data plane (``launcher.py``). What the ranks must agree
 collectives of different kinds (a buffer broadcast and a bucket all-reduce) never complete: both ranks
 would wait for the group's timeout, 30 minutes by default. So each phase (a training forward's buffer
 broadcast, a synced backward) first all-reduces a header of the same shape on every rank: one row per
-rank, ``[kind, forward count, backward count, comm hook id, payload...]``, each rank writing only its own
-row. Whatever phase each rank is in, the headers pair, every rank learns what the others do, and all raise
-the same diagnosis before issuing anything that could not pair (a bucket through a hook other ranks lack). A slow rank is not an error. A synced backward's
-payload carries ``PAYLOAD`` float64 values per rank at no extra collective, as int64 bits (exactly): the
-first ``CARRIED`` once (``carry``: the accumulator's item count), the rest every time (``standing``: elastic
-membership's join requests and stop).
+rank, ``[kind, forward count, backward count, comm hook id, payload...]``, each rank writing only its own row.
+Whatever phase each rank is in, the headers pair, every rank learns what the others do, and all raise the same
+diagnosis before issuing anything that could not pair (a bucket through a hook other ranks lack). A slow rank is
+not an error. A synced backward's payload carries ``PAYLOAD`` float64 values per rank at no extra collective, as
+int64 bits (exactly): the first ``CARRIED`` once (``carry``: the accumulator's item count), the rest every time
+(``standing``: elastic membership's join requests and stop).
 
 **The control.** Each synced backward ends with one small int32 all-reduce, launched right after the last bucket
 so that its latency hides behind theirs: ``[backward count per rank | used count per parameter | forward count
@@ -305,9 +305,9 @@ class Verdict:
         w, n = self.world_size, self.n
         return self.control[6 * w + n:6 * w + n + self.e * w].view(w, self.e)
 
-    def check_missing(self, names: Sequence[str]) -> None:
-        """Raise if some rank produced no gradient for a parameter (without find_unused_parameters)."""
-        absent = [names[i] for i, c in enumerate(self.counts) if c < len(self.active)]
+    def check_missing(self, names: Sequence[str], params: Sequence[torch.Tensor]) -> None:
+        """Raise if a rank produced no gradient for a parameter (no find_unused_parameters), unless frozen everywhere."""
+        absent = [names[i] for i, c in enumerate(self.counts) if c < len(self.active) and (c or params[i].requires_grad)]
         if absent:
             shown = ", ".join(absent[:20]) + (f" and {len(absent) - 20} more" if len(absent) > 20 else "")
             raise RuntimeError(

@@ -245,7 +245,7 @@ class Reducer:
         self.launcher.before_control([b.handle for b in store.buckets])
         control = self.plane.send_control(used, failed, telemetry.local_norm2(self) if self.measure_norm else None)  # in flight beside them
         if self.bucket_reduced is not None and self.attached is None and not self.window_apart:  # overlap_optimizer: step each as reduced
-            everyone = self.expected.everyone(n, self.world_size)  # static_graph's unused parameters: no rank's
+            everyone = [c * p.requires_grad for c, p in zip(self.expected.everyone(n, self.world_size), self.params)]
             results = store.write_back_as_reduced(self.launcher, everyone, self.finite_check, self.bucket_done)
         else:  # every bucket's, or a skipped one's own buffer (unused.py, only when enabled: off the trip)
             results = self.skips.results(self.launcher, store.buckets) if self.skips.enabled else [
@@ -266,7 +266,7 @@ class Reducer:
         if config.static_graph and missing and not failed:  # a failed backward (replay.py) ran part of the graph
             raise self.expected.missing_error(missing, self.names, self.rank)
         if not self.tracks_graph:
-            verdict.check_missing(self.names)
+            verdict.check_missing(self.names, self.params)
         if self.auto_caps is not None and self.auto_caps.due:  # every rank's timings, once, before the commit
             self.auto_caps.gather()
         return results, verdict.counts, it.record
