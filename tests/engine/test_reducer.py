@@ -1,4 +1,6 @@
 """Memory and graph features: bucket views, unused parameters, static graphs, misuse errors."""
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -85,6 +87,45 @@ def missing_flag(rank, world_size):
     with pytest.raises(RuntimeError) as info:
         loss.backward()
     return str(info.value)
+
+
+class WithBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.branch, self.head = nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x, use):
+        h = torch.tanh(self.a(x))
+        return self.head(h) + self.branch(h) if use else self.head(h)
+
+
+def branch_dropped_mid_window(rank, world_size, view):
+    """A branch used only in a window's no_sync micro-step whose gradients zero_grad(set_to_none=True) then
+    drops: its .grad stays None after the synced backward, so momentum SGD skips it, as in one process."""
+    out = []
+    for wrap in (lambda m: gradsync.DDP(m, find_unused_parameters=True, gradient_as_bucket_view=view), lambda m: m):
+        model = wrap(module := WithBranch())
+        part = (lambda t: shard(t, rank, world_size)) if model is not module else (lambda t: t)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1, momentum=0.9)
+        for step, (x, y) in enumerate(batches(3, world_size, features=4)):
+            y = y[:, :2]
+            context = model.no_sync() if model is not module else contextlib.nullcontext()
+            with context:
+                F.mse_loss(model(part(x), True), part(y)).backward()
+            if step == 1:
+                opt.zero_grad(set_to_none=True)
+            F.mse_loss(model(part(x), False), part(y)).backward()
+            opt.step()
+            opt.zero_grad()
+        out.append(params(module))
+    return out
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_branch_dropped_by_zero_grad_mid_window_keeps_its_none_grad(view):
+    for ours, one_process in run_ranks(branch_dropped_mid_window, 2, view):
+        assert_close_dicts(ours, one_process)
 
 
 def test_missing_find_unused_flag_raises_on_every_rank_naming_parameters():

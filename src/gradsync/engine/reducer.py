@@ -147,8 +147,7 @@ class Reducer:
 
     def start_sync(self, it: IterationState) -> list[int]:
         """Start a synced backward's state and header; return the parameters it will not produce."""
-        n = len(self.params)
-        it.syncing, it.ready, it.hook_counts = True, [False] * n, [0] * n
+        it.syncing, it.ready, it.hook_counts = True, [False] * (n := len(self.params)), [0] * n
         self.store.begin_sync()
         if self.attached is None or self.attached.broken is None:
             self.plane.launch_header(BACKWARD)  # checked before the first bucket launches
@@ -160,6 +159,8 @@ class Reducer:
             it.record = {"iteration": self.counters.sync, "backward_start": time.perf_counter(), "buckets": []}
         if self.skips.enabled:
             self.skips.plan(self.store.buckets, self.may_skip())
+        if self.tracks_graph:  # a window's gradient that zero_grad() dropped since is no use: .grad stays None
+            self.window_used = [u and self.store.has_local_grad(i) for i, u in enumerate(self.window_used)]
         return self.expected.unused(n, self.config) if self.tracks_graph else []
 
     def register_grad_ready(self, i: int, from_hook: bool = True, hooked: bool = False) -> None:
@@ -180,10 +181,9 @@ class Reducer:
 
     def bucket_ready(self, bucket: Bucket, hooked: bool = True) -> None:
         """Every member of ``bucket`` is in: copy the bucket's gradients in (per bucket) and start syncs."""
-        it = self.it
         if hooked:  # timed per bucket: the backward's last gradient completes its bucket
-            it.t_ready = time.perf_counter()
-        if it.per_bucket:
+            self.it.t_ready = time.perf_counter()
+        if (it := self.it).per_bucket:
             self.store.copy_in_bucket(bucket, it.divide)
         if it.record is not None:
             bucket.times = {"ready": time.perf_counter()}
