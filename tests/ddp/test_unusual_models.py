@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.utils import prune
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
 import gradsync
@@ -101,6 +102,62 @@ def assert_same_training(results):
 
 def test_tied_weights_train_like_torch():
     assert_same_training(run_ranks(side_by_side, 2, Tied, timeout=60))
+
+
+class Scripted(nn.Module):
+    """A scripted and a traced submodule: their slot dicts are torch.jit's own wrappers, not dicts."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.mid = torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh()))
+        self.head = torch.jit.trace(nn.Linear(8, VOCAB), torch.randn(2, 8))
+
+    def forward(self, x):
+        return self.head(self.mid(self.emb(x)))
+
+
+def scripted_whole():
+    return torch.jit.script(Tied())
+
+
+def scripted_side_by_side(rank, world_size, make):  # a deep copy of a scripted module has non-leaf parameters
+    return (train(TorchDDP(make()), rank, world_size),
+            train(gradsync.DDP(make(), timeout=TIMEOUT), rank, world_size))
+
+
+@pytest.mark.parametrize("make", [Scripted, scripted_whole])
+def test_scripted_and_traced_modules_train_like_torch(make):
+    assert_same_training(run_ranks(scripted_side_by_side, 2, make, timeout=60))
+
+
+def renamed_after_wrapping(rank, world_size, how):
+    """prune and the legacy spectral_norm rename a wrapped parameter (weight -> weight_orig): the same object, later
+    in parameters()' order."""
+    out = []
+    for wrap in (TorchDDP, lambda m: gradsync.DDP(m, timeout=TIMEOUT)):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, VOCAB))
+        model = wrap(module)
+        torch.manual_seed(1)
+        if how == "prune":
+            prune.l1_unstructured(module[1], "weight", amount=0.3)
+        else:
+            nn.utils.spectral_norm(module[1])
+        out.append(train(model, rank, world_size, steps=3))
+    return out
+
+
+@pytest.mark.parametrize("how", ["prune", "spectral_norm"])
+def test_a_parameter_renamed_after_wrapping_trains_like_torch(how):
+    assert_same_training(run_ranks(renamed_after_wrapping, 2, how, timeout=60))
+
+
+def test_a_lazy_buffer_is_refused_at_construction():
+    for kind, message, _ in faults(lambda rank, world_size: outcome(
+            lambda: gradsync.DDP(nn.Sequential(nn.Linear(4, 4), nn.LazyBatchNorm1d(affine=False)), timeout=TIMEOUT))):
+        assert kind == "ValueError" and "buffer '1.running_mean' is lazy (uninitialized)" in message, message
 
 
 @pytest.mark.parametrize("view", [False, True])

@@ -212,6 +212,10 @@ def check_wrappable(module: nn.Module, wrapper_types: tuple[type, ...]) -> list[
             raise ValueError(f"gradsync: parameter '{name}' is on the meta device (it has no data). "
                              "Materialize the module before wrapping it: module.to_empty(device=...), "
                              "then initialize it or load a state dict")
+    lazy = [name for name, b in module.named_buffers() if isinstance(b, nn.parameter.UninitializedBuffer)]
+    if lazy:
+        raise ValueError(f"gradsync: buffer '{lazy[0]}' is lazy (uninitialized). Run one forward pass on a sample "
+                         "batch to materialize it before wrapping the model")
     for name, m in module.named_modules():
         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad:
             what = f"nn.{type(m).__name__} '{name}'" if name else f"the wrapped nn.{type(m).__name__}"

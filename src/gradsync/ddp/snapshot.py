@@ -73,6 +73,8 @@ def module_tensors(module: nn.Module, snap: Snapshot | None = None) -> tuple[lis
             return list(module.parameters()), list(module.buffers())
         seen_modules.add(m)
         own = module_slot_dicts(m)
+        if not all(isinstance(d, dict) for d in own):  # a ScriptModule's slots are torch's own wrappers
+            return list(module.parameters()), list(module.buffers())
         dicts.extend(own)
         own_params, own_buffers, children = (d.values() for d in own)
         for p in own_params:
@@ -115,13 +117,26 @@ def parameters_swapped(module: nn.Module, taken: Snapshot, own: Sequence[torch.T
         # parameters are still in use, the backward synchronizes them as usual
         mine = {id(p) for p in own}
         return not any(id(p) in mine for p in current)
+    if len(current) == len(taken.params) and not all(map(operator.is_, current, taken.params)):
+        _reorder(taken, current)  # prune and spectral_norm rename a parameter: the same object, later in the order
     if len(current) == len(taken.params) and _raise_converted(module, taken):
-        return False  # layers frozen or unfrozen: the hooks and buckets still fit
+        return False  # layers frozen or unfrozen, or reordered: the hooks and buckets still fit
     raise RuntimeError(
         "gradsync: the module's parameters changed after it was wrapped (a parameter was added, "
         "removed or replaced, or its requires_grad changed). gradsync only synchronizes the "
         "parameters it saw at construction; make such changes before wrapping, then wrap again."
     )
+
+
+def _reorder(taken: Snapshot, current: list[torch.Tensor]) -> None:
+    """Put ``taken``'s columns in ``current``'s order when ``current`` holds the same parameter objects."""
+    where = {id(p): k for k, p in enumerate(taken.params)}
+    order = [where.get(id(p)) for p in current]
+    if None in order or len(set(order)) != len(order):
+        return
+    for column in ("params", "requires_grad", "dtypes", "devices", "impls", "trainable"):
+        if (values := getattr(taken, column)) is not None:
+            setattr(taken, column, [values[k] for k in order])
 
 
 def _raise_converted(module: nn.Module, taken: Snapshot) -> bool:
