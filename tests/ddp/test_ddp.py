@@ -168,6 +168,10 @@ def mismatched(rank, world_size, how):
         module = nn.Linear(8, 4 if rank == 0 else 5)
     elif how == "count":
         module = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 + (rank == 1))])
+    elif how == "strides":  # one rank's model channels_last: its bucket slots would hold the elements in another order
+        module = nn.Conv2d(3, 4, 3)
+        if rank == 1:
+            module.to(memory_format=torch.channels_last)
     elif how == "delay":  # rank 1 reduces the weight after the backward, rank 0 in its bucket: gloo aborted
         module = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
         if rank == 1:
@@ -184,7 +188,7 @@ def mismatched(rank, world_size, how):
     return None, 0.0
 
 
-@pytest.mark.parametrize("how", ["shape", "count", "caps", "find_unused", "delay"])
+@pytest.mark.parametrize("how", ["shape", "count", "strides", "caps", "find_unused", "delay"])
 def test_mismatched_models_raise_on_every_rank(how):
     results = run_ranks(mismatched, 2, how, timeout=30)
     for message, elapsed in results:
@@ -193,6 +197,8 @@ def test_mismatched_models_raise_on_every_rank(how):
         assert elapsed < 5
     if how == "shape":
         assert "weight" in results[0][0] and "(5, 8)" in results[0][0]
+    if how == "strides":
+        assert "parameter 'weight' has strides (27, 1, 9, 3) (rank 0: (27, 9, 3, 1))" in results[0][0], results[0][0]
     if how == "caps":
         assert "bucket_cap_mb=0.0005 (rank 0: 25" in results[0][0], results[0][0]
     if how == "find_unused":

@@ -29,6 +29,20 @@ def test_groups_by_dtype():
     assert plan[0] == [3]  # ordered by the first member in the walk
 
 
+@pytest.mark.parametrize("caps", [4.0, (1.0, 2.0, 8.0)])
+@pytest.mark.parametrize("other", [torch.float64, torch.bfloat16])
+def test_each_dtype_group_has_its_own_small_first_bucket_as_torch(caps, other):
+    """The same buckets as torch's assignment, so a mixed-dtype model's sums have torch's bits at 3+ ranks."""
+    import torch.distributed as dist
+    params = [torch.empty(300_000, dtype=other if i % 3 == 0 else torch.float32) for i in range(12)]
+    order = list(range(11, -1, -1))
+    cap_list = list(caps) if isinstance(caps, tuple) else [caps]
+    limits = [MiB] + [int(c * MiB) for c in (cap_list[1:] or cap_list)]
+    theirs, _ = dist._compute_bucket_assignment_by_size([params[i] for i in order], limits, [False] * 12, order)
+    ours = plan_buckets(params, bucket_cap_mb=caps, first_bucket_cap_mb=1.0, order=order)
+    assert sorted(map(sorted, ours)) == sorted(sorted(b) for b in theirs)
+
+
 def test_every_parameter_once_and_order_respected():
     params = floats(*range(1, 40))
     order = list(range(39))

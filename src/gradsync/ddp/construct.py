@@ -63,18 +63,23 @@ AGREED = ("bucket_cap_mb", "first_bucket_cap_mb", "auto_bucket_cap", "find_unuse
 
 
 def describe(module: nn.Module, options: Any) -> list[tuple]:
-    """Return what must agree across ranks: (kind, name, shape, dtype, requires_grad) per tensor, and
+    """Return what must agree across ranks: (kind, name, shape, dtype, requires_grad, strides) per tensor, and
     ("option", name, value, "", False) per option of ``options.config`` in ``AGREED``, the delayed parameters
     (reduced after the backward, not in a bucket) and, where there are buffers, whether a forward broadcasts them."""
-    rows = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad)
-            for n, p in module.named_parameters()]
-    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False) for n, b in module.named_buffers()]
+    rows = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad, layout(p)) for n, p in module.named_parameters()]
+    rows += [("buffer", n, tuple(b.shape), str(b.dtype), False, ()) for n, b in module.named_buffers()]
     rows += [("option", name, repr(getattr(options.config, name)), "", False) for name in AGREED]
     rows.append(("option", "delay_all_reduce_named_params", repr(sorted(options.delayed)), "", False))
     if any(row[0] == "buffer" for row in rows):
         rows.append(("option", "broadcast_buffers", repr(options.forward_sync_buffers), "", False))
         rows.append(("option", "init_sync_buffers", repr(options.init_sync_buffers), "", False))  # the next broadcast
     return rows
+
+
+def layout(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's strides, those of its size-1 dimensions left out: its bucket slot lays the gradient out so, and
+    ranks whose layouts differ would add unrelated elements together (a channels_last model on one rank)."""
+    return tuple(s if n > 1 else 0 for s, n in zip(p.stride(), p.shape))
 
 
 def verify_same_model(module: nn.Module, group: dist.ProcessGroup, options: Any,
@@ -122,7 +127,8 @@ def _first_difference(reference: list[tuple], rows: list[tuple]) -> str:
             if a != b and kind == "option":
                 return f"has {b[1]}={b[2]} (rank 0: {a[2]}): pass the same options on every rank"
             if a != b:
-                diffs = [f"{f} {y} (rank 0: {x})" for f, x, y in zip(("shape", "dtype", "requires_grad"), a[2:], b[2:]) if x != y]
+                diffs = [f"{f} {y} (rank 0: {x})" for f, x, y in zip(("shape", "dtype", "requires_grad", "strides"), a[2:], b[2:])
+                         if x != y]
                 return f"{kind} '{b[1]}' has " + ", ".join(diffs)
     return "a description that differs from rank 0's"
 

@@ -32,10 +32,11 @@ def plan_buckets(
 
     Parameters are walked in ``order`` (default: reverse registration order, the order in which
     backward usually produces gradients), grouped by (dtype, device), and a group's bucket is
-    closed once it reaches its cap: ``first_bucket_cap_mb`` for the first bucket of the plan,
-    ``bucket_cap_mb`` after that. The small first bucket lets communication start early in backward.
-    A sequence ``bucket_cap_mb`` (torch's ``bucket_cap_mb_list``) gives each bucket of the plan
-    its own cap, the last one repeating; ``first_bucket_cap_mb`` still caps the first.
+    closed once it reaches its cap: ``first_bucket_cap_mb`` for the group's first bucket,
+    ``bucket_cap_mb`` after that (torch's assignment: the same buckets, so the same sums' bits). The small
+    first bucket lets communication start early in backward. A sequence ``bucket_cap_mb`` (torch's
+    ``bucket_cap_mb_list``) gives each of a group's buckets its own cap, the last one repeating;
+    ``first_bucket_cap_mb`` still caps the first.
     Buckets are ordered by the position of their first parameter in the walk, so bucket 0 is the
     one expected to be ready first.
     """
@@ -55,6 +56,7 @@ def plan_buckets(
     open_buckets: dict[tuple[torch.dtype, torch.device], tuple[list[int], int]] = {}
     closed: list[tuple[int, list[int]]] = []  # (position of first member in the walk, members)
     first_pos: dict[tuple[torch.dtype, torch.device], int] = {}
+    closed_of: dict[tuple[torch.dtype, torch.device], int] = {}  # buckets each group closed so far
 
     for pos, i in enumerate(order):
         p = params[i]
@@ -64,10 +66,10 @@ def plan_buckets(
             first_pos[key] = pos
         members.append(i)
         size += p.numel() * p.element_size()
-        limit = limits[min(len(closed), len(limits) - 1)]
+        limit = limits[min(closed_of.get(key, 0), len(limits) - 1)]  # each group its own sequence of caps, as torch
         if size >= limit:
             closed.append((first_pos[key], members))
-            members, size = [], 0
+            closed_of[key], members, size = closed_of.get(key, 0) + 1, [], 0
         open_buckets[key] = (members, size)
 
     for key, (members, _) in open_buckets.items():
