@@ -45,6 +45,10 @@ class OverlappedStep:
                 "Step this optimizer after backward as usual.")
         if reducer.bucket_reduced is not None:
             raise RuntimeError("gradsync: this model already overlaps an optimizer; remove() that one first")
+        if (earlier := optimizer.__dict__.get("gradsync_overlap")) is not None:
+            if not earlier.outlived():
+                raise RuntimeError("gradsync: this optimizer already steps inside another model's backward "
+                                   "(overlap_optimizer); remove() that handle first")
         if reducer.config.find_unused_parameters:
             raise ValueError(
                 "gradsync: overlap_optimizer needs find_unused_parameters=False: which parameters got a "
@@ -110,8 +114,18 @@ class OverlappedStep:
                 g["params"] = ps
         self.stepped = last or self.stepped
 
+    def outlived(self) -> bool:
+        """Its model was wrapped again (or is gone): remove this handle, so the optimizer steps after backward again."""
+        model = self._model()
+        if model is not None and not getattr(model, "superseded", False):
+            return False
+        self.remove()
+        return True
+
     def step(self, closure: Any = None) -> Any:
         """``optimizer.step()`` under overlap: a no-op after a synced backward stepped every bucket; else it raises."""
+        if self.outlived():  # the module's newer wrapper steps after its backward, unless overlapped anew
+            return self.optimizer.step(closure)
         if "found_inf" in self.optimizer.__dict__:  # set by torch's GradScaler.step (claim_amp_scaling)
             raise RuntimeError(
                 "gradsync: overlap_optimizer cannot serve a GradScaler: each bucket stepped inside the synced "

@@ -81,7 +81,7 @@ class State:
     # its last reference is Python's, never gloo's thread's during interpreter shutdown (see exit-hook)
     last_wait: Any = None
     exit_hook: bool = False  # install_exit_hook() ran
-    # engine/control.py: control groups over a subgroup, shared by every wrapper on it (torch names them once)
+    # engine/groups.py: control groups by ranks (the whole world or a subgroup), shared by every wrapper on them
     control_subgroups: dict = field(default_factory=dict)
     # ddp/guard.py: the optimizer-step guard's reducers and its cache of what each optimizer touches
     guard_known: weakref.WeakSet = field(default_factory=weakref.WeakSet)

@@ -193,14 +193,19 @@ def test_wrappers_on_a_subgroup_share_its_control_group():
 def two_wrappers_on_world(rank, world_size):
     plane_module.SEPARATE_ON_CPU = True
     models = [gradsync.DDP(mlp(seed=s)) for s in range(2)]
+    groups = len(dist.distributed_c10d._world.pg_map)
+    for _ in range(5):  # a module wrapped again (each epoch, after unfreezing): no new group, no new sockets
+        models[1] = gradsync.DDP(models[1].module)
     plane_module.SEPARATE_ON_CPU = False
+    assert len(dist.distributed_c10d._world.pg_map) == groups
+    assert models[0].reducer.plane.group is models[1].reducer.plane.group is not dist.group.WORLD
     x, y = batches(1, world_size)[0]
     for model in models:
         F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
     return [grads(m.module) for m in models]
 
 
-def test_two_wrappers_on_the_world_group_each_get_a_control_group():
+def test_wrappers_on_the_world_group_share_one_control_group():
     a, b = run_ranks(two_wrappers_on_world, 2)
     for ga, gb in zip(a, b):
         assert_close_dicts(ga, gb)

@@ -105,6 +105,33 @@ def test_main_grad_is_a_bucket_view_and_scales_with_grad():
         torch.testing.assert_close(grad, main.to(torch.bfloat16), atol=0, rtol=1e-2)
 
 
+def main_grad_after_the_wrapper(rank, world_size):
+    """A deleted wrapper takes its buckets along: no ``main_grad`` is left pointing into them; a wrapper made again
+    keeps its own ``main_grad`` when the one it replaced is collected after it."""
+    import gc
+    import weakref
+    module = mlp(seed=0, dtype=torch.bfloat16)
+    x, y = batches(1, world_size)[0]
+    model = gradsync.DDP(module, reduce_dtype=torch.float32)
+    loss_on(model, x, y, rank, world_size).backward()
+    gone = weakref.ref(model.reducer.buckets[0].buffer)
+    del model
+    gc.collect()
+    left = [n for n, p in module.named_parameters() if hasattr(p, "main_grad")]
+    first = gradsync.DDP(module, reduce_dtype=torch.float32)
+    second = gradsync.DDP(module, reduce_dtype=torch.float32)  # takes the parameters over
+    del first
+    gc.collect()
+    kept = all(p.main_grad.untyped_storage().data_ptr() in {b.buffer.untyped_storage().data_ptr()
+                                                            for b in second.reducer.buckets} for p in module.parameters())
+    return left, gone() is None, kept
+
+
+def test_a_deleted_wrapper_leaves_no_main_grad_behind():
+    for left, freed, kept in run_ranks(main_grad_after_the_wrapper, 2):
+        assert left == [] and freed and kept
+
+
 def resumed(rank, world_size, split):
     """Accumulate 6 micro-steps; with ``split``, checkpoint after ``split`` and resume in a new model."""
     data = batches(6, world_size, seed=5)

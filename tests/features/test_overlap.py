@@ -42,6 +42,35 @@ def test_parameters_are_bit_identical_to_the_plain_loop(make_opt, view):
     assert all(torch.equal(overlapped[0][0][n], overlapped[1][0][n]) for n in overlapped[0][0])
 
 
+def wrapped_again(rank, world_size, overlap_again):
+    """The module wrapped again halfway (after unfreezing a layer, a new stage) with the same optimizer: overlapped
+    anew, or stepped after backward; the old handle goes with the old wrapper."""
+    out = []
+    for overlapped in (True, False):
+        module = mlp(seed=0)
+        opt = torch.optim.AdamW(module.parameters(), lr=0.01)
+        model = gradsync.DDP(module, **SMALL_BUCKETS)
+        if overlapped:
+            gradsync.overlap_optimizer(model, opt)
+        for k, (x, y) in enumerate(batches(4, world_size)):
+            if k == 2 and overlapped:
+                model = gradsync.DDP(module, **SMALL_BUCKETS)
+                if overlap_again:
+                    gradsync.overlap_optimizer(model, opt)
+            shard_backward(model, rank, world_size, x, y)
+            opt.step()
+            opt.zero_grad()
+        out.append({n: p.detach().clone() for n, p in module.named_parameters()})
+    return out
+
+
+@pytest.mark.parametrize("overlap_again", [True, False])
+def test_a_module_wrapped_again_steps_as_the_plain_loop(overlap_again):
+    for ours, plain in run_ranks(wrapped_again, 2, overlap_again):
+        for name in plain:
+            assert torch.equal(ours[name], plain[name]), name
+
+
 def windows(rank, world_size, overlapped, sync_each_batch=False):
     model = gradsync.DDP(mlp(seed=0), **SMALL_BUCKETS)
     acc = gradsync.GradientAccumulator(model, steps=3, sync_each_batch=sync_each_batch)

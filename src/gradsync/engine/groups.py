@@ -27,15 +27,15 @@ def control_group(group: dist.ProcessGroup, data_device: torch.device) -> tuple[
         return group, cpu
     if not dist.is_gloo_available():
         return group, data_device
-    ranks = dist.get_process_group_ranks(group)
-    if len(ranks) == dist.get_world_size():  # every rank builds this wrapper: a new group, named by count
-        return dist.new_group(ranks=ranks, backend="gloo"), cpu
-    # only the members build it, and torch names such a group by its ranks, once: the wrappers over
-    # one subgroup share its control group
-    known = process.state.control_subgroups.get(tuple(ranks))
+    # the wrappers over one group share its control group, made once (a wrapper made again, each epoch, makes none):
+    # over the whole world every rank makes it, and torch names it by count; over a subgroup only its members do,
+    # and torch names it by its ranks
+    ranks = tuple(dist.get_process_group_ranks(group))
+    known = process.state.control_subgroups.get(ranks)
     if known is None or not is_registered(known):
-        known = dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
-        process.state.control_subgroups[tuple(ranks)] = known
+        whole = len(ranks) == dist.get_world_size()
+        known = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=not whole)
+        process.state.control_subgroups[ranks] = known
     return known, cpu
 
 

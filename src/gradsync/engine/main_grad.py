@@ -36,10 +36,14 @@ class MainGrads:
         self.pre_hooks = hook_slots(params, self.handles, pre=True)  # quiet.keep_last keeps each hook last
 
     def release(self) -> None:
-        """The wrapper is gone: gradients stay in ``.grad`` from now on."""
+        """The wrapper is gone: gradients stay in ``.grad`` from now on, and its buckets go with it (a ``main_grad``
+        left on a parameter kept them alive; one a newer wrapper set stays)."""
         for h in self.handles:
             h.remove()
         self.handles, self.pre_hooks = [], ([], [], [])
+        for i, p in enumerate(self.params):
+            if getattr(p, "main_grad", None) is self.slot(i):
+                del p.main_grad
 
     def forget_window(self) -> None:
         """Every slot starts a new window at its next gradient (the window's sums are dropped)."""
