@@ -42,7 +42,7 @@ class MainGrads:
             h.remove()
         self.handles, self.pre_hooks = [], ([], [], [])
         for i, p in enumerate(self.params):
-            if getattr(p, "main_grad", None) is self.slot(i):
+            if getattr(p, "main_grad", None) is not None and p.main_grad is self.slot(i):
                 del p.main_grad
 
     def forget_window(self) -> None:
