@@ -82,7 +82,7 @@ class State:
     last_wait: Any = None
     exit_hook: bool = False  # install_exit_hook() ran
     # engine/groups.py: control groups by ranks (the whole world or a subgroup), shared by every wrapper on them
-    control_subgroups: dict = field(default_factory=dict)
+    control_groups: dict = field(default_factory=dict)
     # ddp/guard.py: the optimizer-step guard's reducers and its cache of what each optimizer touches
     guard_known: weakref.WeakSet = field(default_factory=weakref.WeakSet)
     guard_exclusive: weakref.WeakSet = field(default_factory=weakref.WeakSet)

@@ -66,7 +66,8 @@ def describe(module: nn.Module, options: Any) -> list[tuple]:
     """Return what must agree across ranks: (kind, name, shape, dtype, requires_grad, strides) per tensor, and
     ("option", name, value, "", False) per option of ``options.config`` in ``AGREED``, the delayed parameters
     (reduced after the backward, not in a bucket) and, where there are buffers, whether a forward broadcasts them."""
-    rows = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad, layout(p)) for n, p in module.named_parameters()]
+    rows = [("parameter", n, tuple(p.shape), str(p.dtype), p.requires_grad, slot_strides(p))
+            for n, p in module.named_parameters()]
     rows += [("buffer", n, tuple(b.shape), str(b.dtype), False, ()) for n, b in module.named_buffers()]
     rows += [("option", name, repr(getattr(options.config, name)), "", False) for name in AGREED]
     rows.append(("option", "delay_all_reduce_named_params", repr(sorted(options.delayed)), "", False))
@@ -76,7 +77,7 @@ def describe(module: nn.Module, options: Any) -> list[tuple]:
     return rows
 
 
-def layout(p: torch.Tensor) -> tuple[int, ...]:
+def slot_strides(p: torch.Tensor) -> tuple[int, ...]:
     """A parameter's strides, those of its size-1 dimensions left out: its bucket slot lays the gradient out so, and
     ranks whose layouts differ would add unrelated elements together (a channels_last model on one rank)."""
     return tuple(s if n > 1 else 0 for s, n in zip(p.stride(), p.shape))

@@ -28,7 +28,7 @@ class Snapshot:
     impls: list[int]  # TENSOR_IMPL: the hooks live on these; a swap (swap_module_params_on_conversion) leaves them
     slots: tuple | None = None  # the walk's modules' own slot dicts, their lengths, those that held values, the values
     tensors: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # what that walk found
-    trainable: list[bool] | None = None  # requires_grad at construction, when a layer may be frozen later
+    may_freeze: bool = False  # a parameter the reducer holds (its hook, its slot) may be frozen and unfrozen later
 
     def __setstate__(self, state: dict) -> None:  # a pickled or deep-copied wrapper: new tensors, new TensorImpls
         self.__dict__.update(state)
@@ -39,9 +39,8 @@ def snapshot(module: nn.Module, may_freeze: bool = False) -> Snapshot:
     """``may_freeze``: a parameter that required gradients at construction may be frozen and unfrozen later (its
     hook then does not fire, and the synced backward leaves its ``.grad`` alone, as for an unused parameter)."""
     params = list(module.parameters())
-    grads = [p.requires_grad for p in params]
-    return Snapshot(params, grads, [p.dtype for p in params], [p.device for p in params],
-                    list(map(TENSOR_IMPL, params)), trainable=list(grads) if may_freeze else None)
+    return Snapshot(params, [p.requires_grad for p in params], [p.dtype for p in params], [p.device for p in params],
+                    list(map(TENSOR_IMPL, params)), may_freeze=may_freeze)
 
 
 _WALKS = ("parameters", "named_parameters", "buffers", "named_buffers", "_named_members", "named_modules")
@@ -119,7 +118,7 @@ def parameters_swapped(module: nn.Module, taken: Snapshot, own: Sequence[torch.T
         return not any(id(p) in mine for p in current)
     if len(current) == len(taken.params) and not all(map(operator.is_, current, taken.params)):
         _reorder(taken, current)  # prune and spectral_norm rename a parameter: the same object, later in the order
-    if len(current) == len(taken.params) and _raise_converted(module, taken):
+    if len(current) == len(taken.params) and _raise_converted(module, taken, own):
         return False  # layers frozen or unfrozen, or reordered: the hooks and buckets still fit
     raise RuntimeError(
         "gradsync: the module's parameters changed after it was wrapped (a parameter was added, "
@@ -134,16 +133,15 @@ def _reorder(taken: Snapshot, current: list[torch.Tensor]) -> None:
     order = [where.get(id(p)) for p in current]
     if None in order or len(set(order)) != len(order):
         return
-    for column in ("params", "requires_grad", "dtypes", "devices", "impls", "trainable"):
-        if (values := getattr(taken, column)) is not None:
-            setattr(taken, column, [values[k] for k in order])
+    for column in ("params", "requires_grad", "dtypes", "devices", "impls"):
+        setattr(taken, column, [getattr(taken, column)[k] for k in order])
 
 
-def _raise_converted(module: nn.Module, taken: Snapshot) -> bool:
+def _raise_converted(module: nn.Module, taken: Snapshot, own: Sequence[torch.Tensor]) -> bool:
     """Raise if a parameter changed dtype or device (module.double() and .to() keep the Parameter objects,
     except to or from meta, and swap their data) or requires_grad (a layer frozen or unfrozen) where that is not
     allowed; return whether the parameters are the same objects (then only allowed freezes changed, now taken)."""
-    trainable, kept = taken.trainable or [False] * len(taken.params), True
+    held, kept = {id(p) for p in own} if taken.may_freeze else set(), True  # the reducer's: a hook and a slot each
     for k, ((name, p), dtype, device, was, same, impl) in enumerate(zip(
             module.named_parameters(), taken.dtypes, taken.devices, taken.requires_grad, taken.params, taken.impls)):
         if p.dtype is not dtype or p.device != device:
@@ -158,7 +156,7 @@ def _raise_converted(module: nn.Module, taken: Snapshot) -> bool:
                 "swap_tensors, as module.to(...) does under torch.__future__.set_swap_module_params_on_conversion(True)): "
                 "gradsync's gradient hooks stayed on the old tensor, so no gradient would be synchronized (torch's DDP "
                 "refuses such a conversion). Convert the module before wrapping it, or wrap it again.")
-        if p is same and p.requires_grad != was and trainable[k]:  # it has its hook and slot: frozen or unfrozen
+        if p is same and p.requires_grad != was and id(p) in held:  # frozen or unfrozen: its hook and slot stay
             taken.requires_grad[k] = p.requires_grad
         elif p is same and p.requires_grad != was:
             raise RuntimeError(

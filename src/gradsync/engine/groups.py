@@ -31,11 +31,11 @@ def control_group(group: dist.ProcessGroup, data_device: torch.device) -> tuple[
     # over the whole world every rank makes it, and torch names it by count; over a subgroup only its members do,
     # and torch names it by its ranks
     ranks = tuple(dist.get_process_group_ranks(group))
-    known = process.state.control_subgroups.get(ranks)
+    known = process.state.control_groups.get(ranks)
     if known is None or not is_registered(known):
         whole = len(ranks) == dist.get_world_size()
         known = dist.new_group(ranks=list(ranks), backend="gloo", use_local_synchronization=not whole)
-        process.state.control_subgroups[ranks] = known
+        process.state.control_groups[ranks] = known
     return known, cpu
 
 
