@@ -480,6 +480,46 @@ def test_a_post_accumulate_grad_hook_registered_after_wrapping_changes_the_reduc
         assert_close_dicts(a, b, atol=0, rtol=0)
 
 
+class HooksInForward(nn.Module):
+    """Registers a post-accumulate-grad hook on each parameter in its first forward (lazily, after wrapping)."""
+
+    def __init__(self, rank):
+        super().__init__()
+        self.body, self.rank, self.hooked = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), rank, False
+
+    def forward(self, x):
+        if not self.hooked:
+            self.hooked = True
+            for p in self.parameters():
+                p.register_post_accumulate_grad_hook(lambda p: [p.grad.mul_(2.0).add_(float(self.rank)), None][1])
+        return self.body(x)
+
+
+def hooked_in_forward(rank, world_size, kw):
+    out = []
+    for wrap in (TorchDDP, gradsync.DDP):
+        torch.manual_seed(0)
+        model = wrap(HooksInForward(rank), **(kw if wrap is gradsync.DDP else {}))
+        history = []
+        for s in range(2):
+            torch.manual_seed(10 * s + rank)
+            model(torch.randn(3, 4)).pow(2).sum().backward()
+            history.append(grads(model.module))
+            model.module.zero_grad()
+        out.append(history)
+    return out
+
+
+@pytest.mark.parametrize("kw", [{}, {"gradient_as_bucket_view": True}, {"deterministic": True}],  # torch: default
+                         ids=["default", "views", "deterministic"])
+def test_a_post_accumulate_grad_hook_registered_in_the_first_forward_changes_its_gradient_as_in_torch(kw):
+    """Its hook moved after the user's only at the next forward, so the first backward reduced some (deterministic:
+    all) gradients before the hook doubled them."""
+    for theirs, ours in run_ranks(hooked_in_forward, 2, kw, timeout=60):
+        for a, b in zip(theirs, ours):
+            assert_close_dicts(a, b)
+
+
 class OneUnused(nn.Module):
     def __init__(self):
         super().__init__()

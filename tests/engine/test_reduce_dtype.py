@@ -6,6 +6,7 @@ Tolerance: relative L2 error below 1e-6 (fp32 sums of a few dozen bf16 values ar
 where the bf16 default path is off by more than 1e-4.
 """
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -284,3 +285,46 @@ def test_a_post_accumulate_grad_hook_is_warned_of_by_each_model():
     a hook that only reads (logging) is fine."""
     for messages in run_ranks(warned_of_a_post_hook, 2):
         assert len(messages) == 2 and "'weight'" in messages[0] and "param.register_hook" in messages[0], messages
+
+
+class NoBiasGrad(torch.autograd.Function):
+    """A linear layer whose backward gives the bias no gradient (undefined): autograd still runs the bias's hooks."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        return x @ w.t() + b
+
+    @staticmethod
+    def backward(ctx, go):
+        x, w = ctx.saved_tensors
+        return go @ w, go.t() @ x, None
+
+
+class NoBiasGradNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.c = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        return NoBiasGrad.apply(torch.relu(self.a(x)), self.c.weight, self.c.bias)
+
+
+def undefined_gradient(rank, world_size):
+    """float32 slots of a float32 model against torch's DDP in the same group: the same bits."""
+    torch.manual_seed(0)
+    net = NoBiasGradNet()
+    ours = gradsync.DDP(copy.deepcopy(net), reduce_dtype=torch.float32)
+    theirs = torch.nn.parallel.DistributedDataParallel(net)
+    torch.manual_seed(rank)
+    x = torch.randn(4, 4)
+    for model in (ours, theirs):
+        model(x).pow(2).sum().backward()
+    return [(n, p.grad is None, q.grad is None or p.grad is None or torch.equal(p.grad, q.grad))
+            for (n, p), q in zip(ours.module.named_parameters(), theirs.module.parameters())]
+
+
+def test_an_undefined_gradient_is_no_gradient_as_in_torch():
+    """A custom Function's backward returned None for a parameter: its tensor hook got None (was an AttributeError)."""
+    for rows in run_ranks(undefined_gradient, 2):
+        assert all(same for _, _, same in rows), rows

@@ -121,7 +121,7 @@ class MainGrads:
 def _pre_hook(main: weakref.ref, i: int) -> Callable[[torch.Tensor], None]:
     def hook(grad: torch.Tensor) -> None:
         me = main()
-        if me is not None and me.handles:
+        if me is not None and me.handles and grad is not None:  # None: a custom backward gave it no gradient
             me.add(i, grad)
     return hook
 

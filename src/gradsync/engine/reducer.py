@@ -88,7 +88,6 @@ class Reducer:
         self.config = replace(self.config, static_graph=True)
 
     def prepare_for_forward(self) -> None:
-        self.quiet.keep_last(self.store)
         if (unfinished := self.it).in_backward:  # the last backward raised before its end: drop its state
             if unfinished.syncing and unfinished.compiled_autograd:
                 raise RuntimeError(messages.COMPILED_AUTOGRAD_UNFINISHED)
@@ -99,6 +98,7 @@ class Reducer:
     def prepare_for_backward(self, outputs: Any, training: bool = True, sync: bool = True) -> None:
         """A backward may follow; ``sync`` is the forward's wish (the switch is read again at backward)."""
         self.counters.note_forward(training, sync)
+        self.quiet.keep_last(self.store)  # after the forward: a hook the module registered in it runs before ours
         if self.tracks_graph:
             self.expected.note_forward(outputs, self.config)
 
