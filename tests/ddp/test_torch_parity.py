@@ -65,6 +65,39 @@ def test_pickled_wrapper_loads_on_the_default_group_and_keeps_training():
     assert_close_dicts(results[0][2], results[1][2])  # the loaded copies synchronize
 
 
+def with_batchnorm_and_delayed(path=None):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=0.0), nn.Linear(8, 2))  # momentum 0: the forward's stats
+    model = gradsync.DDP(net, delay_all_reduce_named_params=[("2.weight", net[2].weight)], param_to_hook_all_reduce=net[0].weight)
+    if path is not None:
+        torch.save(model, path)
+    return model
+
+
+def save_one(rank, world_size, path):
+    with_batchnorm_and_delayed(path)
+
+
+def load_on_a_larger_group(rank, world_size, path):
+    """Train one forward and backward of the loaded wrapper and of the same one built on this group."""
+    out = []
+    for model in (torch.load(path, weights_only=False), with_batchnorm_and_delayed()):
+        model.module[1].running_mean.fill_(float(rank))  # the ranks' buffers differ: the forward broadcasts rank 0's
+        torch.manual_seed(rank)
+        model(torch.randn(6, 4)).square().mean().backward()
+        out.append((model.world_size, {**grads(model.module), "mean": model.module[1].running_mean.clone()}))
+    return out
+
+
+def test_a_wrapper_saved_on_one_rank_loads_on_two_with_their_world_size(tmp_path):
+    """It kept the world size it was saved with: buffers never broadcast, the delayed gradient divided by 1."""
+    path = str(tmp_path / "model.pt")
+    run_ranks(save_one, 1, path)
+    for (size, loaded), (_, fresh) in run_ranks(load_on_a_larger_group, 2, path):
+        assert size == 2
+        assert_close_dicts(loaded, fresh)
+
+
 # ---------------------------------------------------------------- item 6: functional_call
 class WithBuffer(nn.Module):
     def __init__(self):
@@ -368,7 +401,11 @@ def rewrap(rank, world_size):
         with pytest.raises(RuntimeError, match="wrapped again by a newer"):
             ddp(torch.randn(2, 8))  # the first one no longer synchronizes and says so
         step(newer, rank, world_size)
-        del ddp, newer
+        shallow = copy.copy(newer)  # shares the module: the copy's reducer takes the parameters over
+        with pytest.raises(RuntimeError, match="copy.copy shares the module"):
+            newer(torch.randn(2, 8))
+        step(shallow, rank, world_size)
+        del ddp, newer, shallow
         gc.collect()
     module.zero_grad()
     step(module, rank, world_size)  # no wrapper left: a plain local backward

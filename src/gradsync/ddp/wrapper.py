@@ -142,8 +142,8 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if getattr(self, "superseded", False):
-            raise RuntimeError("gradsync: this DistributedDataParallel no longer synchronizes: its module (or part of it) "
-                               "was wrapped again by a newer DistributedDataParallel, which now owns the parameters. Use the newer wrapper.")
+            raise RuntimeError("gradsync: this DistributedDataParallel no longer synchronizes: its module (or part of it) was wrapped again by a "
+                               "newer DistributedDataParallel, which owns the parameters now (copy.copy shares the module: use copy.deepcopy).")
         reducer = self.reducer
         reducer.prepare_for_forward()
         if self.delayed is not None:
@@ -312,7 +312,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Rebuild on the default process group: a fresh reducer, no collective."""
         self.process_group = dist.group.WORLD
         config = state.pop("reducer_config")
-        super().__setstate__(state)
+        super().__setstate__({**state, "world_size": dist.get_world_size()})  # loaded on a group of another size
         self.build_reducer(config)
 
     _set_static_graph = torch_extras.set_static_graph
