@@ -103,3 +103,61 @@ def test_join_detects_no_sync_disagreement_at_the_forward():
     for kind, message, seconds in faults(join_disagree):
         assert kind == "SyncError" and "1 of 2 active ranks will sync" in message, message
         assert seconds < 1
+
+
+def accumulated(rank, world_size, windows, steps, divide):
+    """The accumulator's windows inside join(): rank r runs ``windows[r]`` windows of ``steps`` micro-batches."""
+    model = gradsync.DDP(mlp(seed=rank), timeout=TIMEOUT)
+    acc = gradsync.GradientAccumulator(model, steps)
+    opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    data = batches(max(windows) * steps, world_size)[:windows[rank] * steps]
+    with model.join(divide_by_initial_world_size=divide):
+        for x, y in data:
+            with acc.accumulate():
+                acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+                opt.step()
+                opt.zero_grad()
+    return params(model.module)
+
+
+def mean_over_what_ran(world_size, windows, steps):
+    model = mlp(seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = batches(max(windows) * steps, world_size)
+    for w in range(max(windows)):
+        active = [r for r in range(world_size) if windows[r] > w]
+        losses = [F.mse_loss(model(shard(x, r, world_size)), shard(y, r, world_size))
+                  for x, y in data[w * steps:(w + 1) * steps] for r in active]
+        (sum(losses) / len(losses)).backward()
+        opt.step()
+        opt.zero_grad()
+    return params(model)
+
+
+@pytest.mark.parametrize("divide", [True, False], ids=["by_world_size", "by_active_ranks"])
+def test_accumulator_windows_inside_join_are_the_mean_over_what_ran(divide):
+    """divide_by_initial_world_size=False divided the reduction by the active ranks and the accumulator's rescale
+    by the world size again: the windows one rank ran alone were twice the mean."""
+    windows, steps = [2, 3], 2
+    want = mean_over_what_ran(2, windows, steps)
+    for got in run_ranks(accumulated, 2, windows, steps, divide, timeout=60):
+        assert_close_dicts(got, want, atol=1e-6)
+
+
+def sync_each_batch_in_join(rank, world_size):
+    model = gradsync.DDP(mlp(seed=rank), timeout=TIMEOUT)
+    acc = gradsync.GradientAccumulator(model, 2, sync_each_batch=True)
+    x, y = batches(1, world_size)[0]
+    with pytest.raises(NotImplementedError, match="sync_each_batch=True inside model.join"):
+        with model.join():
+            with acc.accumulate():
+                acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+    with acc.accumulate():  # outside the join it runs
+        acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+    return True
+
+
+def test_sync_each_batch_inside_join_is_refused_on_every_rank():
+    """Each synced micro-step reduced the window's sum so far again, a joined rank adding zeros for it: a window's
+    micro-batches weighed 1/8, 1/4, 1/2, 1 of the mean."""
+    assert run_ranks(sync_each_batch_in_join, 2, timeout=60) == [True, True]

@@ -29,6 +29,11 @@ from .skips import SkipMicroStep, check_skip_on, reason_of, skippable
 from .optim import WindowOptimizer, WindowScheduler
 from .close import WindowClose
 
+SYNC_EACH_BATCH_IN_JOIN = (
+    "gradsync: sync_each_batch=True inside model.join() is not supported: each synced micro-step reduces the window's "
+    "gradient so far again, and a rank that joined adds zeros where the others add that sum, so the window's earlier "
+    "micro-batches would count less. Use sync_each_batch=False (the window is reduced once), or deal every rank the same "
+    "number of micro-batches (e.g. DistributedSampler(drop_last=True), gradsync.ElasticSampler) and leave out join().")
 
 
 class GradientAccumulator(WindowClose):
@@ -96,6 +101,8 @@ class GradientAccumulator(WindowClose):
             self.data_ended()
             self.at_window_start()
             self._start_window()
+            if self.sync_each_batch and self._window_len > 1 and getattr(self.model, "join_state", None) is not None:
+                raise NotImplementedError(SYNC_EACH_BATCH_IN_JOIN)
             self.noise.start_window()
             if self._short_by and self._target is not None:
                 self._target.advance_counters(self._short_by)

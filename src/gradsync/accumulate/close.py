@@ -61,10 +61,12 @@ class WindowClose(Windows):
                 self._wait(work[0])
                 total = float(work[1])
             rows = {0: (TAG[self._kind], total or 0.0, self._units_everywhere(), float(len(self._records)))}
+        join = getattr(self.model, "join_state", None)  # divide_by_initial_world_size=False: the buckets were divided
+        divisor = len(rows) if join is not None and join.divides_by_active else self._world_size  # by the active ranks
         rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
         check_kinds(rows, self.windows)
         expected = self._scale_len if self._weights is None else 1.0  # _carry sent a split window's share
-        self._rescale = (window_factor(rows, self._world_size, expected, any(row[3] for row in rows.values())), rows)
+        self._rescale = (window_factor(rows, divisor, expected, any(row[3] for row in rows.values())), rows)
         return self._rescale[0]
 
     def _units_everywhere(self) -> float:

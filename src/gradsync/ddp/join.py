@@ -51,12 +51,12 @@ class DDPJoinHook(JoinHook):
         self.last_active = list(range(ddp.world_size))  # ranks active in the latest handshake with any
         self.expect_sync: bool | None = None
         self.handshakes = 0  # this rank's, as an active rank
-        self._own_hook = False
+        self.divides_by_active = False  # the accumulator's window rescale reads it (accumulate/close.py)
         reducer = ddp.reducer
         if not divide_by_initial_world_size and reducer.launcher.hook is None:
             # like torch, the divisor applies to the default reduction only; a user's hook divides itself
             reducer.launcher.set_hook(average_over_active_ranks, self)
-            self._own_hook = True
+            self.divides_by_active = True
         ddp.join_state = self
         reducer.backward_check = self.check_backward
 
@@ -69,7 +69,7 @@ class DDPJoinHook(JoinHook):
         ddp.reducer.backward_check = None
         set_join_config_disabled(ddp)
         ddp.reducer.plane.set_active(None)
-        if self._own_hook and ddp.reducer.launcher.hook is average_over_active_ranks:
+        if self.divides_by_active and ddp.reducer.launcher.hook is average_over_active_ranks:
             ddp.reducer.launcher.set_hook(None, None)
 
     # ------------------------------------------------------------ active rank
