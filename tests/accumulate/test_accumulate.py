@@ -1,6 +1,7 @@
 """GradientAccumulator: windows, communication counts, schedules, end of data, exact normalization."""
 import collections
 import contextlib
+import copy
 import warnings
 
 import pytest
@@ -454,3 +455,68 @@ def kinds_across_ranks(rank, world_size):
 def test_ranks_that_mix_kinds_of_backward_raise_on_every_rank_naming_them():
     for message in run_ranks(kinds_across_ranks, 2):
         assert "different kinds of acc.backward() (rank 0: num_items, rank 1: a mean loss" in message, message
+
+
+class StatefulLoader:
+    """As torchdata's StatefulDataLoader: ``state_dict()`` is the number of items it has handed out."""
+
+    def __init__(self, items, position=0):
+        self.items, self.position = items, position
+
+    def __iter__(self):
+        while self.position < len(self.items):
+            self.position += 1
+            yield self.items[self.position - 1]
+
+    def state_dict(self):
+        return {"position": self.position}
+
+
+def train_from_loader(acc, model, loader, trained, stop=None):
+    """Train with ``acc.iterate(loader)``; at ``stop`` items trained, return a checkpoint taken inside the loop."""
+    opt = acc.wrap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    for k, x, y in acc.iterate(loader):
+        with acc.accumulate():
+            acc.backward(F.mse_loss(model(x), y))
+        trained.append((k, acc.is_boundary))
+        opt.step()
+        opt.zero_grad()
+        if len(trained) == stop:
+            return copy.deepcopy({"acc": acc.state_dict(), "loader": loader.state_dict(), "model": params(model)})
+    return None
+
+
+@pytest.mark.parametrize("stop", [1, 3, 4])
+def test_a_stateful_loader_resumed_from_inside_iterate_trains_every_item_once(stop):
+    """iterate() reads one item ahead, so the loader's state inside the loop is one item past what trained: resumed
+    from it, that item was never trained (and before the last item, the short last window never closed)."""
+    items = [(k, x, y) for k, (x, y) in enumerate(batches(5, 1))]
+    model, acc = make_acc(steps=3)
+    whole = []
+    train_from_loader(acc, model, StatefulLoader(items), whole)
+    model, acc = make_acc(steps=3)
+    resumed = []
+    state = train_from_loader(acc, model, StatefulLoader(items), resumed, stop)
+    model, acc = make_acc(steps=3)
+    with torch.no_grad():
+        for p, saved in zip(model.parameters(), state["model"].values()):
+            p.copy_(saved)
+    acc.load_state_dict(state["acc"])
+    train_from_loader(acc, model, StatefulLoader(items, state["loader"]["position"]), resumed)
+    assert resumed == whole == [(0, False), (1, False), (2, True), (3, False), (4, True)]
+
+
+def test_the_last_item_left_out_does_not_close_the_next_epochs_first_micro_step():
+    """iterate() flagged the data's end before yielding the last item; left out without accumulate(), the flag
+    closed the next epoch's first micro-step as a window of its own."""
+    model, acc = make_acc(steps=3)
+    boundaries = []
+    for epoch in range(2):
+        for k, (x, y) in enumerate(acc.iterate(batches(5, 1))):
+            if epoch == 0 and k == 4:
+                continue
+            with acc.accumulate():
+                acc.backward(F.mse_loss(model(x), y))
+            boundaries.append(acc.is_boundary)
+            model.zero_grad() if acc.is_boundary else None
+    assert boundaries == [False, False, True, False] + [False, True, False, False, True]

@@ -9,6 +9,7 @@ world size.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from itertools import chain
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ class Windows:
         self._short_by = 0  # micro-steps this rank runs fewer than the busiest rank in this window
         self._boundary = True  # before the first micro-step: "between windows"
         self._end_of_data = False  # iterate() is yielding the data's last item
+        self._ahead: list[Any] = []  # iterate()'s item read ahead from a stateful loader, or one restored from a checkpoint
         self._kind: str | None = None  # MEAN or ITEMS (normalize.py): what the window's backwards took
         self._items: torch.Tensor | None = None  # this rank's item count in the current window
         self._weights: list[float] | None = None  # per-micro-step loss weights of a split() window
@@ -109,16 +111,20 @@ class Windows:
             self.data_ended()
             return
         self.at_window_start()  # a replica that joins gets the members' state before its first item
-        it = iter(iterable)
+        # a loader with a state_dict() (torchdata's StatefulDataLoader) is one item past what trained while a step
+        # runs: state_dict() keeps that item, and the next iterate() after load_state_dict() yields it first
+        it, stateful = chain(self._ahead, iterable), callable(getattr(iterable, "state_dict", None))
         try:
-            current = next(it)
+            self._ahead, current = [], next(it)
         except StopIteration:
             return
         for following in it:  # look one ahead: only then is the last item known
+            self._ahead = [following] if stateful else []
             yield current
             current = following
-        self._end_of_data = True
+        self._ahead, self._end_of_data = [], True
         yield current
+        self._end_of_data = False  # left out without accumulate(): not the end of the next data's first window
         self.data_ended()
 
     def data_ended(self) -> None:
@@ -163,7 +169,7 @@ class Windows:
                 "weights": self._weights, "next_weights": self._next_weights, "windows": self.windows,
                 "rows": self._rows, "next_rows": self._next_rows, "ran": list(self._ran), "units": self._units,
                 "skips": list(self._records), "scale_len": self._scale_len, "plan": self._plan,
-                "short_by": self._short_by}
+                "short_by": self._short_by, "ahead": list(self._ahead)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume a window where ``state_dict()`` left it (gradients are the caller's to restore)."""
@@ -191,7 +197,7 @@ class Windows:
         items = state["items"]
         self._items = None if items is None else torch.tensor(items, dtype=torch.float64,
                                                               device=self._device)
-        self._end_of_data = False
+        self._end_of_data, self._ahead = False, list(state.get("ahead", []))
 
 
 def _rows(leaves: list[Any]) -> int:
