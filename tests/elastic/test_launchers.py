@@ -306,6 +306,33 @@ def test_etcd_coordinator_survives_its_leader_killed_without_losing_a_window(tmp
         assert (got - ref).abs().max() <= 1e-5
 
 
+def test_a_replica_cut_off_from_its_peer_and_the_coordinator_ends_within_one_timeout(tmp_path, job):
+    """Its peer frozen first (a collective waits in slices, asking the coordinator between them), then the coordinator:
+    the store's timeout in that question became a peer failure, whose re-form asked the coordinator again and waited a
+    second timeout (20 s for 10) before the replica ended, saying it had waited 10."""
+    j = job(replicas=2, min_replicas=1)
+    deadline = time.monotonic() + TIMEOUT
+    for local in "01":
+        j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
+                              "--windows", "100000", "--sleep", "0.02", "--timeout", "10"], j.env("a", LOCAL_RANK=local))
+    j.wait_for_starts(2, deadline)
+    time.sleep(1.0)
+    os.kill(j.procs["a1"].pid, signal.SIGSTOP)
+    time.sleep(1.0)  # a0 waits in its collective's slices
+    os.kill(j.coordinator.pid, signal.SIGSTOP)
+    frozen = time.monotonic()
+    a0 = j.procs["a0"]
+    while a0.poll() is None and time.monotonic() - frozen < 90:
+        time.sleep(0.1)
+    took = time.monotonic() - frozen
+    for name in ("a1", "coordinator"):
+        os.kill((j.procs[name] if name != "coordinator" else j.coordinator).pid, signal.SIGCONT)
+    assert a0.poll() not in (None, 0), j.log("a0")[-3000:]
+    print(f"a0 ended {took:.1f} s after the coordinator froze")
+    assert took < 18, f"a0 took {took:.1f} s to end with a 10 s timeout\n" + j.log("a0")[-3000:]
+    assert f"the coordinator at {j.address} did not answer within 10s" in j.log("a0"), j.log("a0")[-3000:]
+
+
 def test_sigusr1_stops_every_replica_at_the_same_window_end(tmp_path, job):
     """SLURM's warning before the time limit: one replica receives SIGUSR1 mid-run; every replica finishes the
     window, stops at the same boundary (gradsync.elastic.stopping), saves and exits 0, and so does the coordinator."""

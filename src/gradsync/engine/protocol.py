@@ -63,6 +63,8 @@ class Attachment:
 
     def lose_group(self, failure: BaseException) -> None:
         """Stop using the group until this window's synced backward re-forms it; tell the others."""
+        if isinstance(failure.__cause__, (dist.DistNetworkError, dist.DistStoreError)):  # the store did not answer (the
+            raise failure.__cause__  # coordinator): a re-form asks it too, and would wait as long again before ending
         if self.broken is None:
             self.broken = failure
             self.reducer.plane.drop_header()
