@@ -207,6 +207,68 @@ def test_reentrant_checkpointing_without_static_graph_raises_ready_twice():
         run_ranks(static, 2, False, timeout=30, pg_timeout=5)
 
 
+class CheckpointedHead(nn.Module):
+    """The last layer in a reentrant checkpoint: the backward's first gradients come from the checkpoint's own backward,
+    nested in the outer one."""
+
+    def __init__(self, unused=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+        self.unused = nn.Linear(8, 4) if unused else None
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.head, torch.tanh(self.body(x)), use_reentrant=True)
+
+
+HEAD_OPTIONS = {"default": {}, "views": {"gradient_as_bucket_view": True}, "static_graph": {"static_graph": True},
+                "deterministic": {"deterministic": True}, "reduce_dtype": {"reduce_dtype": torch.float32},
+                "accumulator": {}}
+
+
+def checkpointed_head(rank, world_size, option):
+    model = gradsync.DDP(CheckpointedHead(), bucket_cap_mb=0.001, **HEAD_OPTIONS[option])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = 2 if option == "accumulator" else 1
+    acc = gradsync.GradientAccumulator(model, steps)
+    opt = acc.wrap_optimizer(opt)
+    for x, y in batches(4, world_size):
+        for k in range(steps):
+            rows = slice(k * 3, (k + 1) * 3) if steps == 2 else slice(None)
+            with acc.accumulate():
+                acc.backward(F.mse_loss(model(shard(x, rank, world_size)[rows]), shard(y, rank, world_size)[rows]))
+            opt.step()
+            opt.zero_grad()
+    return params(model.module)
+
+
+@pytest.mark.parametrize("option", list(HEAD_OPTIONS))
+def test_a_reentrant_checkpoint_around_the_last_layer_trains_like_one_process(option):
+    """The end-of-backward callback, queued at the first gradient, ran when the checkpoint's nested backward ended:
+    the body's gradients were reported missing (static_graph: the step guard refused)."""
+    ref = CheckpointedHead()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches(4, 2):
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in run_ranks(checkpointed_head, 2, option, timeout=60):
+        assert_close_dicts(got, params(ref), atol=1e-6)
+
+
+def missing_beside_a_checkpointed_head(rank, world_size):
+    model = gradsync.DDP(CheckpointedHead(unused=True))
+    x, y = batches(1, world_size)[0]
+    with pytest.raises(RuntimeError, match="received no gradient") as caught:
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    return str(caught.value)
+
+
+def test_a_parameter_without_gradient_beside_a_checkpointed_head_is_the_only_one_named():
+    for message in run_ranks(missing_beside_a_checkpointed_head, 2, timeout=60):
+        assert "2 parameter(s)" in message and "unused.weight, unused.bias" in message, message
+
+
 def static_changes(rank, world_size):
     model = gradsync.DDP(Branches(), static_graph=True)
     for step, (x, y) in enumerate(batches(3, world_size)):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch.distributed as dist
@@ -39,7 +40,7 @@ def set_static_graph(ddp: Any) -> None:
     if ddp.static_graph:
         warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=3)
         return
-    ddp.reducer.set_static_graph()
+    ddp.reducer.config = replace(ddp.reducer.config, static_graph=True)
 
 
 def log_error(ddp: Any, exc: Exception) -> Exception:

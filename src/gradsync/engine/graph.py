@@ -1,12 +1,16 @@
 """Which parameters a forward's outputs can reach: the autograd-graph walk behind find_unused_parameters."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from . import messages
+
+# the frame that runs a custom autograd Function's backward: a backward inside it (a reentrant checkpoint's) is nested
+FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
 
 
 def reachable_params(outputs: Any, index_of: dict[int, int]) -> set[int]:
@@ -41,6 +45,21 @@ def tensors(obj: Any) -> Iterator[torch.Tensor]:
     elif hasattr(obj, "__dataclass_fields__"):
         for name in obj.__dataclass_fields__:
             yield from tensors(getattr(obj, name))
+
+
+def inner_backward_ended(reducer: Any) -> bool:
+    """Whether the end-of-backward callback, queued at the first gradient's hook, ran where a backward nested in another
+    ended (``checkpoint(use_reentrant=True)`` around the layers that produce the first gradients) with gradients still
+    to come: then the next hook queues it again on the outer backward, and nothing steps before that one ends. torch's
+    reducer queues its callback at the last gradient, which it can count."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not FUNCTION_BACKWARD:
+        frame = frame.f_back
+    it = reducer.it
+    if frame is None or all(r or c or not p.requires_grad for r, c, p in zip(it.ready, it.hook_counts, reducer.params)):
+        return False
+    it.fast, it.requeue, reducer.unsynced = False, True, reducer.world_size > 1
+    return True
 
 
 class Expected:

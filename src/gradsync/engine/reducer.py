@@ -13,7 +13,6 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -26,7 +25,7 @@ from .autocap import AutoCaps
 from .config import ReducerConfig
 from .control import BACKWARD, ControlPlane, Counters
 from .groups import control_group
-from .graph import Expected
+from .graph import Expected, inner_backward_ended
 from .iteration import IterationState
 from .launcher import BucketLauncher
 from .layout import Layout
@@ -78,14 +77,13 @@ class Reducer:
     tracks_graph = property(lambda self: self.config.find_unused_parameters or self.config.static_graph)
     bucket_plan = property(lambda self: self.store.plan)  # () -> the buckets as lists of parameter indices
     wait = property(lambda self: self.plane.wait)  # (handle, what): bounded by the timeout
+    # skip_all_reduce_unused_params may skip now: the same on every rank
+    may_skip = property(lambda self: self.bucket_reduced is None and self.plane.active_ranks is None)
 
     def on_bucket_reduced(self, callback: Callable[[list[int]], None] | None) -> None:  # overlap.py
         self.bucket_reduced = callback  # each bucket is written back as soon as reduced, then callback(members)
 
     enable_trace = telemetry.enable_trace  # (on=True) -> the timeline list; on=False stops recording
-
-    def set_static_graph(self) -> None:  # torch's private _set_static_graph(), before the first backward
-        self.config = replace(self.config, static_graph=True)
 
     def prepare_for_forward(self) -> None:
         if (unfinished := self.it).in_backward:  # the last backward raised before its end: drop its state
@@ -106,6 +104,8 @@ class Reducer:
         it = self.it
         if not it.in_backward:
             it = self.begin_backward()
+        if it.requeue:  # an inner backward ended first (graph.inner_backward_ended): this one's end is the end
+            it.requeue = queue_end_of_backward(self.finish_grad_sync)  # None
         if param.grad is not None:  # autograd may leave it undefined: that is not a use (torch agrees)
             self.window_used[i] = True
         if not it.syncing:
@@ -158,7 +158,7 @@ class Reducer:
         if self.trace is not None:
             it.record = {"iteration": self.counters.sync, "backward_start": time.perf_counter(), "buckets": []}
         if self.skips.enabled:
-            self.skips.plan(self.store.buckets, self.may_skip())
+            self.skips.plan(self.store.buckets, self.may_skip)
         if self.tracks_graph:  # a window's gradient that zero_grad() dropped since is no use: .grad stays None
             self.window_used = [u and self.store.has_local_grad(i) for i, u in enumerate(self.window_used)]
         return self.expected.unused(n, self.config) if self.tracks_graph else []
@@ -214,6 +214,8 @@ class Reducer:
 
     def finish_grad_sync(self, failed: int = 0) -> None:
         """The end of backward: reduce, then commit (with a protocol: once every member holds it)."""
+        if self.it.syncing and self.it.next_launch < len(self.store.buckets) and inner_backward_ended(self):
+            return  # a reentrant checkpoint's backward, nested in the one that goes on (graph.py)
         try:
             if self.it.syncing:  # with a protocol: reduced until every member holds it
                 self.commit(*(self.reduce(failed) if self.attached is None else self.attached.reduce_until_committed(failed)))
@@ -259,7 +261,7 @@ class Reducer:
         if verdict.failed:  # a rank's backward failed part-way: reduce again without its window
             results = reduce_again_without(self, verdict.failed)
         if self.skips.enabled:
-            results = self.skips.after_control(self, verdict.counts, results, self.may_skip())
+            results = self.skips.after_control(self, verdict.counts, results, self.may_skip)
         self.skips.reduced = sum(b.handle is not None for b in store.buckets)  # torch's num_buckets_reduced
         if self.finite_check is not None and results is not None and not store.sharded:
             self.finite_check(results, [b.members for b in store.buckets])
@@ -293,9 +295,6 @@ class Reducer:
         self.plane.drop_header()
         self.launcher.reset()
         self.store.reset()
-
-    def may_skip(self) -> bool:  # skip_all_reduce_unused_params may skip now: the same on every rank
-        return self.bucket_reduced is None and self.plane.active_ranks is None
 
     def remove_hooks(self) -> None:
         self.quiet.release()
