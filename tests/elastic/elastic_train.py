@@ -139,6 +139,8 @@ def main() -> None:
                         "e.g. gradient_as_bucket_view=True, bucket_cap_mb='auto'")
     parser.add_argument("--noise", action="store_true", help="noise_scale=True; record it and sync_report() per window")
     parser.add_argument("--timeout", type=float, default=30, help="gradsync.elastic.init_process_group's timeout")
+    parser.add_argument("--lag-pass", default="", help="--sharded: REPLICA,WINDOW,SECONDS: that replica is late to the "
+                        "window's last mirrored pass (as a descheduled process)")
     args = parser.parse_args()
     global KILL_LAUNCHER
     KILL_LAUNCHER = args.kill_launcher
@@ -237,6 +239,17 @@ def main() -> None:
         import gradsync.sharded.launcher as sharded_launcher
         pass_on = sharded_launcher.pass_on
         sharded_launcher.pass_on = lambda *a: die() if at("mirror_pass", "last") else pass_on(*a)
+    if args.lag_pass and int(args.lag_pass.split(",")[0]) == me:
+        import gradsync.sharded.launcher as sharded_launcher
+        lag_window, lag = int(args.lag_pass.split(",")[1]), float(args.lag_pass.split(",")[2])
+        passed, lagged = sharded_launcher.pass_on, []
+
+        def late(store, bucket, group):  # its last bucket's: the others have passed theirs and wait for it
+            if state["window"] == lag_window and bucket is store.buckets[-1] and not lagged:
+                lagged.append(time.sleep(lag))
+                print(f"replica {me} lagged {lag} s before a pass in window {lag_window}", file=sys.stderr, flush=True)
+            return passed(store, bucket, group)
+        sharded_launcher.pass_on = late
     if args.victim2 == me:  # inside the re-shard that the first death started: the others are gathering
         import gradsync.sharded.regroup as regroup
         held = regroup.held
@@ -325,7 +338,8 @@ def main() -> None:
                 "buckets_reduced": model.reducer.skips.reduced,
                 "events": events, "processed": processed, "lost": sampler.lost if sampler else None,
                 "windows": args.windows if acc is None else acc.windows, "optimizer": optimizer.state_dict(),
-                "memory": memory, "audits": audits, "observed": observed}, os.path.join(args.out, f"{me}.pt"))
+                "memory": memory, "audits": audits, "observed": observed,
+                "timeout": model.reducer.config.timeout.total_seconds()}, os.path.join(args.out, f"{me}.pt"))
     if args.exit_code and args.raise_exit:
         raise SystemExit(args.exit_code)
     if args.exit_code:

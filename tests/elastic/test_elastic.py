@@ -105,6 +105,7 @@ def agreeing(results: dict[int, dict], expected: list[int], log: str = "") -> di
     first = results[expected[0]]
     for r in expected:
         assert all(torch.equal(a, b) for a, b in zip(results[r]["params"], first["params"])), r
+        assert results[r]["timeout"] == first["timeout"], (r, results[r]["timeout"], first["timeout"])  # a joiner's too
         mine, theirs = results[r]["optimizer"], first["optimizer"]  # momentum buffers too, after a join
         assert mine["param_groups"] == theirs["param_groups"] and mine["state"].keys() == theirs["state"].keys()
         assert all(torch.equal(v, theirs["state"][k][name]) for k in mine["state"]  # momentum, or AdamW's moments
@@ -282,6 +283,16 @@ def test_a_sharded_replica_that_rejoins_receives_its_shards(tmp_path, bf16):
     want = reference(first["events"], 3, windows=first["windows"], adamw=True, bf16=bf16)
     for got, ref in zip(first["params"], want):
         torch.testing.assert_close(got, ref, atol=1e-3 if bf16 else 1e-5, rtol=2 ** -7 if bf16 else 0)
+
+
+def test_a_replica_late_to_a_mirrored_pass_breaks_no_group(tmp_path):
+    """Its peers waited for the shard it passes in 0.1 s slices; a gloo send or receive whose timed wait runs out
+    closes every connection of the group, so a member descheduled for 0.3 s made the members re-form with nobody
+    leaving (the elastic rejoin drill's flake under load)."""
+    proc = launch(tmp_path, "--sharded", "--lag-pass", "1,2,0.3", windows=4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first = agreeing(survivors(tmp_path), [0, 1, 2], proc.stderr)
+    assert first["events"] == [] and "replica 1 lagged 0.3 s" in proc.stderr, (first["events"], proc.stderr[-4000:])
 
 
 @pytest.mark.parametrize("point,victim,window,same_as", [

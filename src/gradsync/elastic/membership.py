@@ -111,7 +111,8 @@ class StoreMembership:
         if self.store.check([f"{P}/job/started"]):
             self.joining, self.generation = True, -1
             dist.init_process_group(self.backend, store=dist.PrefixStore(f"{P}/solo/{self.replica_id}/{self.restart}",
-                                                                         self.store), rank=0, world_size=1)
+                                                                         self.store), rank=0, world_size=1,
+                                    timeout=self.timeout)  # the model built on it takes its timeout from it
             return
         self.store.set(self.key(f"alive/{self.replica_id}"), self._alive_value())
         ids = list(range(self.replicas))

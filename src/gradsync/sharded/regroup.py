@@ -2,8 +2,8 @@
 
 A member that dies must not take its shard of the averaged gradient and of the optimizer state with it.
 After ``mirror_shards()`` rank r also holds shard (r + 1) % W: on CPU each bucket's all-to-all is folded as
-without mirroring, and rank r sends its shard of the average to rank r - 1 (``pass_on``: 1/W of the bucket
-more on the wire, point to point); elsewhere each bucket is all-reduced. Rank r adds its own shard of the
+without mirroring, and rank r passes its shard of the average to rank r - 1 (``pass_on``: 1/W of the bucket
+more on the wire); elsewhere each bucket is all-reduced. Rank r adds its own shard of the
 average and the one it mirrors, and ``ShardedOptimizer`` steps both with the same inner optimizer
 (``ShardedOptimizer.mirror``).
 The price per rank: a second shard of the gradient accumulator, of the optimizer state and of fp32 master
@@ -57,8 +57,9 @@ def mirror_shards(store: Any) -> None:
 def pass_on(store: Any, bucket: Any, group: Any) -> list[Any]:
     """On CPU, once ``bucket``'s all-to-all is in (every rank's copy of this rank's shard): sum this rank's average
     into the first half of a two-shard result and start sending it to the rank that mirrors it; the shard this rank
-    mirrors arrives in the second half. Returns the two works: a send and a receive, point to point (every rank
-    starts them in the same bucket order; an all-to-all with one peer each way took a few % more of a window)."""
+    mirrors arrives in the second half. Returns the work: an all-to-all with one peer each way, every rank in the same
+    bucket order. Not a send and a receive: gloo closes every connection of the group when a timed wait on one runs
+    out, and an elastic member waits in short slices, so a peer 0.1 s late to its pass broke the group."""
     s, w = bucket.shard_numel, store.world_size
     pair = store.take(2 * s, bucket.grad_shard.dtype, bucket.flat_param.device)
     own = pair[:s] if pair.dtype == bucket.out.dtype else pair[:s].zero_()  # else fold adds a wider sum into it
@@ -66,8 +67,9 @@ def pass_on(store: Any, bucket: Any, group: Any) -> list[Any]:
     store.track(pair.numel() * pair.element_size() - bucket.out.numel() * bucket.out.element_size())
     store.pool.give(bucket.out)
     bucket.out, bucket.handle = pair, None
-    to, source = (dist.get_global_rank(group, (store.rank - 1) % w), dist.get_global_rank(group, store.mirror_rank))
-    return [dist.isend(pair[:s], dst=to, group=group), dist.irecv(pair[s:], src=source, group=group)]
+    sent, received = [0] * w, [0] * w
+    sent[(store.rank - 1) % w], received[store.mirror_rank] = s, s
+    return [dist.all_to_all_single(pair[s:], pair[:s], received, sent, group=group, async_op=True)]
 
 
 def held(store: Any) -> dict[str, Any]:

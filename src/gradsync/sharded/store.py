@@ -37,7 +37,7 @@ class ShardedBucket(Bucket):
     out: torch.Tensor | None = None  # reduce-scatter output while in flight
     shard_zero: bool = True  # grad_shard is all zeros (nothing folded since zero_grad)
     mirror_shard: torch.Tensor | None = None  # mirror_shards(): the next rank's averaged gradient, accumulated
-    shift: list | None = None  # mirrored on CPU: the send and receive in flight of the shards' averages (pass_on)
+    shift: list | None = None  # mirrored on CPU: the pass in flight of the shards' averages (pass_on)
 
     @property
     def shard_numel(self) -> int:
