@@ -23,8 +23,8 @@ from torch.nn.parallel.distributed import DistributedDataParallel as TORCH_DDP
 TorchDDP = TORCH_DDP  # torch's class itself, not what its name is now: Dynamo reads it; compat.py redirects it
 
 Future = torch._C.Future  # torch.futures.Future's C base: what a Work's get_future() returns, not the Python subclass
-
 _engine = torch.autograd.Variable._execution_engine
+graph_task_id = torch._C._current_graph_task_id  # () -> -1 outside a backward: the step guard refuses a step inside one
 
 
 def is_future(handle: Any) -> bool:
@@ -270,7 +270,7 @@ def saved_mean_reduction(grad_fn: Any, numel: int) -> bool:
 
 
 __all__ = ["active_ddp_module", "BatchNormBase", "caller_frame", "claim_amp_scaling", "compile_throwaway", "ddp_markings", "default_first_bucket_bytes", "default_store", "detach_default_group", "device_index", "disabled_join_config", "dynamo_frame_callback_set", "dynamo_skip_dirs", "foreach_copy_",
-           "foreach_div_", "foreach_mul_", "foreach_zero_", "functional_call_code", "Future", "group_timeout", "has_cpu_backend", "in_compiled_autograd", "is_future", "join_enabled", "module_slot_dicts", "OPTIMIZER_IMPORTS", "pop_torch_function_mode", "post_accumulate_hooks",
+           "foreach_div_", "foreach_mul_", "foreach_zero_", "functional_call_code", "Future", "graph_task_id", "group_timeout", "has_cpu_backend", "in_compiled_autograd", "is_future", "join_enabled", "module_slot_dicts", "OPTIMIZER_IMPORTS", "pop_torch_function_mode", "post_accumulate_hooks",
            "push_torch_function_mode", "queue_end_of_backward", "recompile_forward", "recompile_skip_rules", "saved_mean_reduction", "set_authoritative_rank", "set_join_config_disabled", "skip_dir_of", "storage_base", "TENSOR_IMPL", "to_kwargs", "torch_function_disabled", "torch_function_stack",
            "TorchDDP", "unscale_grads_"]
 

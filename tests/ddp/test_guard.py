@@ -306,3 +306,43 @@ def test_a_wrapper_collected_while_the_guard_walks_its_reducers_does_not_break_t
         assert run_ranks(collected_during_the_walk, 2) == [True, True]
     finally:
         gc.enable()
+
+
+def optimizer_in_backward(rank, world_size, kw):
+    """torch's tutorial "fuse the optimizer step into the backward": a per-parameter optimizer stepped in a
+    post-accumulate-grad hook. Every hook runs before the reducer's, on this rank's own gradient."""
+    torch.manual_seed(0)
+    net = mlp(seed=0)
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in net.parameters()}
+    for p in net.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: (optimizers[p].step(), optimizers[p].zero_grad()))
+    model = gradsync.DDP(net, **kw)
+    before = params(net)
+    x, y = batches(1, world_size)[0]
+    with pytest.raises(RuntimeError, match="ran inside a backward.*optimizer stepped in backward"):
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+    return sum(not torch.equal(before[n], p) for n, p in net.named_parameters())
+
+
+@pytest.mark.parametrize("kw", [{}, {"deterministic": True}, {"reduce_dtype": torch.float32}],
+                         ids=["default", "deterministic", "reduce_dtype"])
+def test_an_optimizer_stepped_in_backward_raises_before_it_changes_a_parameter(kw):
+    """The replicas drifted apart silently (as under torch's DDP): each rank stepped on its own gradients."""
+    assert run_ranks(optimizer_in_backward, 2, kw, timeout=60) == [0, 0]
+
+
+def overlapped_and_plain(rank, world_size):
+    """overlap_optimizer steps each bucket inside the synced backward once it is reduced: no refusal."""
+    model = gradsync.DDP(mlp(seed=0), bucket_cap_mb=0.001)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    gradsync.overlap_optimizer(model, optimizer)
+    for x, y in batches(2, world_size):
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        optimizer.step()  # marks where the step ends: the buckets stepped inside the backward
+        optimizer.zero_grad()
+    return params(model.module)
+
+
+def test_overlap_optimizer_steps_inside_the_backward_without_a_refusal():
+    a, b = run_ranks(overlapped_and_plain, 2, timeout=60)
+    assert all(torch.equal(a[n], b[n]) for n in a)

@@ -20,6 +20,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .. import process
+from .._torch import graph_task_id
 
 state = process.state  # the guard's reducers and caches are process-wide (process.State.guard_*)
 
@@ -136,10 +137,26 @@ def _check_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
 
 
 def _check(optimizer: torch.optim.Optimizer) -> None:
-    unsynced = [r for r in alive(state.guard_known) if r.unsynced]
-    if not (unsynced or state.guard_exclusive):
+    known = alive(state.guard_known)
+    unsynced = [r for r in known if r.unsynced]
+    inside = known if graph_task_id() != -1 else []  # a step from a gradient hook (an optimizer stepped in backward)
+    if not (unsynced or inside or state.guard_exclusive):
         return
     _, ids, _, touched, _ = _entry(optimizer)
+    for reducer in inside:  # overlap_optimizer steps a bucket once it is reduced, inside the synced backward
+        it = reducer.it
+        if it.syncing and all(it.ready):
+            continue
+        ready = it.ready if it.syncing and it.ready else [False] * len(reducer.params)
+        early = [n for n, p, r in zip(reducer.names, reducer.params, ready) if not r and id(p) in ids and p.grad is not None]
+        if early:
+            raise RuntimeError(
+                f"gradsync: {type(optimizer).__name__}.step() ran inside a backward of the {reducer.config.wrapper_name} "
+                f"model (from a gradient hook: an optimizer stepped in backward) on {len(early)} parameter(s) whose "
+                f"gradients are not reduced across ranks yet ({', '.join(early[:5])}{', ...' if len(early) > 5 else ''}): "
+                "every rank would step with its own gradient and the replicas would drift apart. Step after backward() "
+                "returns, or use gradsync.overlap_optimizer(model, optimizer), which steps each bucket inside the synced "
+                "backward as soon as it is reduced.")
     for ref in touched:
         reducer = ref()
         if reducer is not None:
