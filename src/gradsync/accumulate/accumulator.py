@@ -162,6 +162,8 @@ class GradientAccumulator(WindowClose):
         self._ran_here(unit)
         if self._boundary:
             self._close(carried)
+        else:
+            self._went_on(carried)
 
     def _backward_items(self, loss: torch.Tensor, count: torch.Tensor) -> None:
         items = count if self._items is None else self._items + count
@@ -182,6 +184,8 @@ class GradientAccumulator(WindowClose):
         self._ran_here(unit)
         if self._boundary:
             self._close(carried, work)
+        else:
+            self._went_on(carried)
 
     def _note_first(self, count: Any) -> None:
         first = self._position == 1 and self._weights is None

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .. import process
 from .._torch import foreach_mul_
-from .normalize import ITEMS, TAG, check_kinds, window_factor, without_failed
+from .normalize import ITEMS, TAG, check_closed_together, check_kinds, window_factor, without_failed
 from .skips import exchange_records
 from .windows import Windows
 
@@ -33,6 +33,8 @@ class WindowClose(Windows):
         if not self._boundary:
             if self.sync_each_batch:  # a synced micro-step inside the window: overlap_optimizer steps only at its end
                 process.announce("window_rescale", self.model, lambda: None)
+                if self._world_size > 1 and self._target is not None:  # to see a rank that closes its window here
+                    return self._target.carry_with_next_sync(())
             return None
         self._sent, self._rescale = (float(count), float(units)), None
         carried = self._target.carry_with_next_sync((TAG[self._kind], count, float(units), float(len(self._records)))) \
@@ -64,6 +66,7 @@ class WindowClose(Windows):
         join = getattr(self.model, "join_state", None)  # divide_by_initial_world_size=False: the buckets were divided
         divisor = len(rows) if join is not None and join.divides_by_active else self._world_size  # by the active ranks
         rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
+        check_closed_together(rows, self.windows)
         check_kinds(rows, self.windows)
         expected = self._scale_len if self._weights is None else 1.0  # _carry sent a split window's share
         self._rescale = (window_factor(rows, divisor, expected, any(row[3] for row in rows.values())), rows)
@@ -77,6 +80,12 @@ class WindowClose(Windows):
         if self._weights is not None:  # a split() window: _carry sent this rank's share of its rows
             return self._world_size * sent
         return self._world_size * (self._scale_len - (self._window_len - sent))
+
+    def _went_on(self, carried: Any) -> None:
+        """A synced micro-step inside the window (``sync_each_batch``): raise if another rank closed its window here."""
+        rows = carried() if carried is not None else None
+        if rows:
+            check_closed_together(rows, self.windows)
 
     def _close(self, carried: Any, work: Any = None) -> None:
         """The window's synced backward is done: rescale (unless overlap_optimizer did, bucket by bucket), note

@@ -26,6 +26,20 @@ def without_failed(rows: Rows, failed: list[int]) -> Rows:
     return {r: (row[0], 0.0, 0.0, max(row[3], 1.0)) if r in failed else row for r, row in rows.items()}
 
 
+def check_closed_together(rows: Rows, window: int) -> None:
+    """Raise on every rank unless every rank closed window ``window`` at this synced backward, or none did (with
+    ``sync_each_batch`` a rank whose data ended mid-window syncs where another's window goes on)."""
+    closing = sorted(r for r, row in rows.items() if row[0])
+    if closing and len(closing) < len(rows):
+        going_on = sorted(set(rows) - set(closing))
+        raise SyncError(
+            f"gradsync: the ranks are out of step: rank(s) {closing} closed window {window} at this synced backward "
+            f"and rank(s) {going_on} did not, so they ran different numbers of micro-batches (a rank's data ended "
+            "mid-window, or the ranks planned windows of different lengths). Give every rank the same number of "
+            "micro-batches (DistributedSampler(drop_last=True), gradsync.ElasticSampler), or run uneven data inside "
+            "model.join() with sync_each_batch=False.")
+
+
 def check_kinds(rows: Rows, window: int) -> None:
     """Raise on every rank unless every rank normalized its window the same way."""
     if len({row[0] for row in rows.values()} - {TAG[None]}) <= 1:
