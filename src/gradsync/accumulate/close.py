@@ -55,8 +55,9 @@ class WindowClose(Windows):
         rows = carried() if carried is not None else None
         if carried is not None and rows is None:
             raise RuntimeError("gradsync: the window's last backward synchronized no gradient (no "
-                               "parameter got one), so the item counts were not exchanged; every "
-                               "window must end with a backward through the model")
+                               "parameter got one through the wrapper), so the item counts were not exchanged; every "
+                               "window must end with a backward through the wrapped model's forward (a forward that "
+                               "bypasses it, such as torch.func.functional_call(model.module, ...), synchronizes nothing)")
         if rows is None:  # one rank, or no header (torch's DDP): every rank ran its planned share of the window
             total = self._sent[0] if self._kind == ITEMS else None
             if work is not None:

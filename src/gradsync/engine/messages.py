@@ -127,4 +127,4 @@ def wait_failed(rank: int, what: str, sync: int, backward: int, timeout: float, 
     return (f"{waited} and it did not finish within {timeout:g}s: {exc}. Likely cause: another rank died, raised, "
             "skipped a backward, ran a different number of micro-steps, or disagreed about no_sync; or one backward "
             "runs through several wrapped models in a different order on different ranks (each waits in the first "
-            "model it reaches: keep the order the same).")
+            "model it reaches: keep the order the same); or the network between the ranks is cut or stalled.")
