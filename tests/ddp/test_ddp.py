@@ -1,5 +1,6 @@
 """Core engine: equivalence with one process and with torch's DDP, no_sync, buffers, bad input."""
 import copy
+import threading
 import time
 
 import pytest
@@ -306,6 +307,39 @@ def test_rank_local_evaluation_needs_no_collective_and_changes_nothing():
             assert torch.equal(p_eval[name], p_plain[name]), name
         for name in b_plain:  # eval-mode forwards do not update running statistics either
             assert torch.equal(b_eval[name], b_plain[name]), name
+
+
+def evaluated_in_another_thread(rank, world_size, kw):
+    """A no-grad forward through the wrapper in another thread (an asynchronous evaluator, a sampler) while this
+    thread's synced backward runs: started from a gradient hook late in the backward, and waited for there."""
+    model = gradsync.DDP(mlp(seed=0), bucket_cap_mb=0.001, **kw)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def evaluate(_param):
+        def no_grad_forward():
+            with torch.no_grad():
+                model(torch.ones(2, 8))
+        worker = threading.Thread(target=no_grad_forward)
+        worker.start()
+        worker.join()
+    first = next(model.module.parameters())  # among the backward's last gradients: the others' buckets are in flight
+    first.register_post_accumulate_grad_hook(evaluate)
+    for x, y in batches(3, world_size):
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+    return params(model.module)
+
+
+@pytest.mark.parametrize("kw", [{}, {"gradient_as_bucket_view": True}], ids=["default", "views"])
+def test_a_no_grad_forward_in_another_thread_leaves_the_running_backward_alone(kw):
+    """Each forward dropped the state of a backward still in progress, taking it for one that had raised: the
+    synced backward ended in an IndexError, a SyncError or a refused step."""
+    results = run_ranks(evaluated_in_another_thread, 2, kw, timeout=60)
+    model = mlp(seed=0)
+    reference(model, batches(3, 2), opt=torch.optim.SGD(model.parameters(), lr=0.1))
+    for got in results:
+        assert_close_dicts(got, params(model), atol=1e-6)
 
 
 def converted_after_wrapping(rank, world_size, how):

@@ -30,7 +30,8 @@ class DelayedAllReduce:
         self._handle.remove()
 
     def prepare_for_forward(self) -> None:
-        self._syncs_before = None  # a backward that raised before its end left this set
+        if torch.is_grad_enabled():  # a no-grad forward may run in another thread while a backward runs
+            self._syncs_before = None  # a backward that raised before its end left this set
 
     def _on_trigger_grad(self, grad: torch.Tensor) -> None:
         ddp = self._ddp()

@@ -86,7 +86,8 @@ class Reducer:
     enable_trace = telemetry.enable_trace  # (on=True) -> the timeline list; on=False stops recording
 
     def prepare_for_forward(self) -> None:
-        if (unfinished := self.it).in_backward:  # the last backward raised before its end: drop its state
+        # the last backward raised before its end: drop its state (not for a no-grad forward, which may run in another
+        if (unfinished := self.it).in_backward and torch.is_grad_enabled():  # thread while a backward runs here)
             if unfinished.syncing and unfinished.compiled_autograd:
                 raise RuntimeError(messages.COMPILED_AUTOGRAD_UNFINISHED)
             self.reset_iteration()
