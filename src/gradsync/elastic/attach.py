@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import warnings
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -57,7 +58,13 @@ def init_process_group(backend: str = "gloo", *, timeout: timedelta | float = 60
     m.form_first()
     m.requests = Requests(m, address)
     install(m)
-    if threading.current_thread() is threading.main_thread() and not callable(signal.getsignal(signal.SIGUSR1)):
+    if threading.current_thread() is not threading.main_thread():  # Python runs signal handlers there only
+        warnings.warn("gradsync: gradsync.elastic.init_process_group() ran outside the main thread, so it installs no "
+                      "signal handlers: SIGUSR1 (SLURM's warning before the time limit) kills this replica instead of "
+                      "stopping every replica at the same window end, and a SIGTERM is not reported to the others "
+                      "(they find the replica gone after its heartbeat stops, ~5 s). Call it from the main thread.",
+                      stacklevel=2)
+    elif not callable(signal.getsignal(signal.SIGUSR1)):
         # SLURM's warning before the time limit: finish the window, stop together (gradsync.elastic.stopping)
         signal.signal(signal.SIGUSR1, lambda signum, frame: setattr(m, "stop_requested", True))
     if not log.handlers and not logging.getLogger().handlers:  # one line per change, on stderr
