@@ -547,6 +547,30 @@ print("members", gradsync.elastic.members(), "events", gradsync.elastic.events()
 """
 
 
+IN_A_THREAD = """
+import threading, warnings, gradsync
+def train():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gradsync.elastic.init_process_group("gloo", timeout=30)
+    print("warned:", sum("ran outside the main thread, so it installs no signal handlers" in str(w.message)
+                         for w in caught))
+thread = threading.Thread(target=train)
+thread.start()
+thread.join()
+"""
+
+
+def test_elastic_init_outside_the_main_thread_says_it_installs_no_signal_handlers(tmp_path):
+    """A framework that trains in a thread: SIGUSR1 killed the replica (exit -10) instead of stopping every replica at
+    the same window end, without a word."""
+    script = tmp_path / "thread.py"
+    script.write_text(IN_A_THREAD)
+    proc = run_cli(["run", str(script)], timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warned: 1" in proc.stdout, proc.stdout
+
+
 def test_what_elastic_membership_cannot_recover_is_refused(tmp_path):
     """join() is refused; delay_all_reduce_named_params's parameters go into the buckets, where they commit with the
     rest; ShardedDataParallel follows membership, also with reduce_dtype (one replica: nothing to mirror yet)."""
