@@ -460,14 +460,19 @@ def hooked_after_wrapping(rank, world_size, view):
         model = wrap(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), gradient_as_bucket_view=view)
         for p in model.module.parameters():
             p.register_post_accumulate_grad_hook(lambda p: [p.grad.mul_(2.0).add_(float(rank)), None][1])
-        history = []
-        for s in range(3):
-            torch.manual_seed(10 * s + rank)
-            model(torch.randn(3, 4)).pow(2).sum().backward()
-            history.append(grads(model.module))
-            model.module.zero_grad()
-        out.append(history)
+        out.append(gradient_history(model, rank, 3))
     return out
+
+
+def gradient_history(model, rank, steps):
+    """Each step's gradients of ``steps`` backwards on this rank's data, zeroed after each."""
+    history = []
+    for s in range(steps):
+        torch.manual_seed(10 * s + rank)
+        model(torch.randn(3, 4)).pow(2).sum().backward()
+        history.append(grads(model.module))
+        model.module.zero_grad()
+    return history
 
 
 @pytest.mark.parametrize("view", [False, True])
@@ -500,13 +505,7 @@ def hooked_in_forward(rank, world_size, kw):
     for wrap in (TorchDDP, gradsync.DDP):
         torch.manual_seed(0)
         model = wrap(HooksInForward(rank), **(kw if wrap is gradsync.DDP else {}))
-        history = []
-        for s in range(2):
-            torch.manual_seed(10 * s + rank)
-            model(torch.randn(3, 4)).pow(2).sum().backward()
-            history.append(grads(model.module))
-            model.module.zero_grad()
-        out.append(history)
+        out.append(gradient_history(model, rank, 2))
     return out
 
 

@@ -306,17 +306,22 @@ def test_etcd_coordinator_survives_its_leader_killed_without_losing_a_window(tmp
         assert (got - ref).abs().max() <= 1e-5
 
 
+def start_pair(j: Job, tmp_path: Path, *extra: str) -> None:
+    """Start two replicas of launcher group "a" that train until stopped; return once both run."""
+    deadline = time.monotonic() + TIMEOUT
+    for local in "01":
+        j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
+                              "--windows", "100000", "--sleep", "0.02", *extra], j.env("a", LOCAL_RANK=local))
+    j.wait_for_starts(2, deadline)
+    time.sleep(1.0)
+
+
 def test_a_replica_cut_off_from_its_peer_and_the_coordinator_ends_within_one_timeout(tmp_path, job):
     """Its peer frozen first (a collective waits in slices, asking the coordinator between them), then the coordinator:
     the store's timeout in that question became a peer failure, whose re-form asked the coordinator again and waited a
     second timeout (20 s for 10) before the replica ended, saying it had waited 10."""
     j = job(replicas=2, min_replicas=1)
-    deadline = time.monotonic() + TIMEOUT
-    for local in "01":
-        j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
-                              "--windows", "100000", "--sleep", "0.02", "--timeout", "10"], j.env("a", LOCAL_RANK=local))
-    j.wait_for_starts(2, deadline)
-    time.sleep(1.0)
+    start_pair(j, tmp_path, "--timeout", "10")
     os.kill(j.procs["a1"].pid, signal.SIGSTOP)
     time.sleep(1.0)  # a0 waits in its collective's slices
     os.kill(j.coordinator.pid, signal.SIGSTOP)
@@ -384,12 +389,7 @@ def test_a_frozen_coordinator_ends_every_replica_within_its_timeout(tmp_path, jo
     bounds only its waits for keys, so the replicas' next votes waited for good. Each replica now ends within about
     its timeout (5 s here), non-zero, saying which coordinator did not answer."""
     j = job(replicas=2, min_replicas=1)
-    deadline = time.monotonic() + TIMEOUT
-    for local in "01":
-        j.start(f"a{local}", [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--steps", str(STEPS),
-                              "--windows", "100000", "--sleep", "0.02", "--timeout", "5"], j.env("a", LOCAL_RANK=local))
-    j.wait_for_starts(2, deadline)
-    time.sleep(1.0)
+    start_pair(j, tmp_path, "--timeout", "5")
     os.kill(j.coordinator.pid, signal.SIGSTOP)
     frozen = time.monotonic()
     while any(p.poll() is None for p in j.procs.values()) and time.monotonic() - frozen < 90:
