@@ -1,13 +1,13 @@
 """Which parameters a forward's outputs can reach: the autograd-graph walk behind find_unused_parameters."""
 from __future__ import annotations
 
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from . import messages
+from .._torch import caller_frame
 
 # the frame that runs a custom autograd Function's backward: a backward inside it (a reentrant checkpoint's) is nested
 FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
@@ -52,11 +52,13 @@ def inner_backward_ended(reducer: Any) -> bool:
     ended (``checkpoint(use_reentrant=True)`` around the layers that produce the first gradients) with gradients still
     to come: then the next hook queues it again on the outer backward, and nothing steps before that one ends. torch's
     reducer queues its callback at the last gradient, which it can count."""
-    frame = sys._getframe(1)
+    frame = caller_frame()  # finish_grad_sync's
     while frame is not None and frame.f_code is not FUNCTION_BACKWARD:
         frame = frame.f_back
-    it = reducer.it
-    if frame is None or all(r or c or not p.requires_grad for r, c, p in zip(it.ready, it.hook_counts, reducer.params)):
+    it = reducer.it  # a first static_graph backward marks nothing ready before its end: a hook seen counts then
+    first_static = reducer.config.static_graph and reducer.expected.static_counts is None
+    seen = [r or c for r, c in zip(it.ready, it.hook_counts)] if first_static else it.ready
+    if frame is None or all(s or not p.requires_grad for s, p in zip(seen, reducer.params)):
         return False
     it.fast, it.requeue, reducer.unsynced = False, True, reducer.world_size > 1
     return True
