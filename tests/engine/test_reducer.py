@@ -256,6 +256,44 @@ def test_a_reentrant_checkpoint_around_the_last_layer_trains_like_one_process(op
         assert_close_dicts(got, params(ref), atol=1e-6)
 
 
+class SharedAcrossTheCheckpoint(nn.Module):
+    """One layer used before the checkpointed head and again inside it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.shared, self.head = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.tail, torch.tanh(self.shared(x)), use_reentrant=True)
+
+    def tail(self, h):
+        return self.head(torch.tanh(self.shared(h)))
+
+
+def shared_across(rank, world_size):
+    model = gradsync.DDP(SharedAcrossTheCheckpoint(), static_graph=True, bucket_cap_mb=0.0001)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in batches(3, world_size):
+        F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)).backward()
+        opt.step()
+        opt.zero_grad()
+    return params(model.module)
+
+
+def test_static_graph_learns_a_parameter_used_inside_and_outside_a_checkpointed_head():
+    """The first static_graph backward ended where the checkpoint's nested backward did, having seen the shared layer
+    once: its second gradient came after, unsynchronized (torch's DDP queues its end from a node on the outputs)."""
+    ref = SharedAcrossTheCheckpoint()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    for x, y in batches(3, 2):
+        F.mse_loss(ref(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for got in run_ranks(shared_across, 2, timeout=60):
+        assert_close_dicts(got, params(ref), atol=1e-6)
+
+
 def missing_beside_a_checkpointed_head(rank, world_size):
     model = gradsync.DDP(CheckpointedHead(unused=True))
     x, y = batches(1, world_size)[0]

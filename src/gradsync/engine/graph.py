@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from . import messages
-from .._torch import caller_frame
+from .._torch import caller_frame, queue_end_of_backward
 
 # the frame that runs a custom autograd Function's backward: a backward inside it (a reentrant checkpoint's) is nested
 FUNCTION_BACKWARD = torch.autograd.function.BackwardCFunction.apply.__code__
@@ -50,17 +50,21 @@ def tensors(obj: Any) -> Iterator[torch.Tensor]:
 def inner_backward_ended(reducer: Any) -> bool:
     """Whether the end-of-backward callback, queued at the first gradient's hook, ran where a backward nested in another
     ended (``checkpoint(use_reentrant=True)`` around the layers that produce the first gradients) with gradients still
-    to come: then the next hook queues it again on the outer backward, and nothing steps before that one ends. torch's
-    reducer queues its callback at the last gradient, which it can count."""
+    to come, or maybe to come (a first ``static_graph`` backward counts none). Then it is queued again on the enclosing
+    backward, from a hook on the custom Function's node that ran the nested one, and nothing steps before that ends.
+    torch's DDP queues its callback from a node on the forward's outputs, which only static_graph and
+    find_unused_parameters pay for; this costs nothing where no Function runs a backward of its own."""
     frame = caller_frame()  # finish_grad_sync's
     while frame is not None and frame.f_code is not FUNCTION_BACKWARD:
         frame = frame.f_back
-    it = reducer.it  # a first static_graph backward marks nothing ready before its end: a hook seen counts then
-    first_static = reducer.config.static_graph and reducer.expected.static_counts is None
-    seen = [r or c for r, c in zip(it.ready, it.hook_counts)] if first_static else it.ready
-    if frame is None or all(s or not p.requires_grad for s, p in zip(seen, reducer.params)):
+    if frame is None:
         return False
-    it.fast, it.requeue, reducer.unsynced = False, True, reducer.world_size > 1
+    it, first_static = reducer.it, reducer.config.static_graph and reducer.expected.static_counts is None
+    if not first_static and all(r or not p.requires_grad for r, p in zip(it.ready, reducer.params)):
+        return False  # every gradient is in: finish here
+    finish = reducer.finish_grad_sync
+    frame.f_locals["self"].register_hook(lambda grad_inputs, grad_outputs: queue_end_of_backward(finish))
+    reducer.unsynced = reducer.world_size > 1  # until that end reduces them
     return True
 
 

@@ -26,7 +26,6 @@ class IterationState:
     per_bucket: bool = False  # gradients are copied in per full bucket (the store's copies_per_bucket)
     fast: bool = False  # the hooks count gradients in without a call (reducer._hook)
     adopt: bool = False  # gradient views: a local backward's hook makes a replaced .grad its slot again
-    requeue: bool = False  # an inner backward's end came first: the next hook queues the end on the outer one
 
     def restart(self, n: int) -> None:
         """Launch every bucket again (a new group): the hooks so far are all this backward had."""

@@ -105,8 +105,6 @@ class Reducer:
         it = self.it
         if not it.in_backward:
             it = self.begin_backward()
-        if it.requeue:  # an inner backward ended first (graph.inner_backward_ended): this one's end is the end
-            it.requeue = queue_end_of_backward(self.finish_grad_sync)  # None
         if param.grad is not None:  # autograd may leave it undefined: that is not a use (torch agrees)
             self.window_used[i] = True
         if not it.syncing:
