@@ -509,6 +509,22 @@ def test_a_stateful_loader_resumed_from_inside_iterate_trains_every_item_once(st
     assert resumed == whole == [(0, False), (1, False), (2, True), (3, False), (4, True)]
 
 
+def test_an_item_read_ahead_by_a_loop_left_with_break_stays_out_of_the_next_loop():
+    """It was yielded first by the next iterate(), over another loader: an item of the last epoch in this one's
+    first window."""
+    model, acc = make_acc(steps=2)
+    seen = []
+    for epoch in range(2):
+        items = [(f"{epoch}-{k}", x, y) for k, (x, y) in enumerate(batches(5, 1))]
+        for k, (name, x, y) in enumerate(acc.iterate(StatefulLoader(items))):
+            with acc.accumulate():
+                acc.backward(F.mse_loss(model(x), y))
+            seen.append(name)
+            if k == 3:
+                break
+    assert seen == ["0-0", "0-1", "0-2", "0-3", "1-0", "1-1", "1-2", "1-3"]
+
+
 def test_the_last_item_left_out_does_not_close_the_next_epochs_first_micro_step():
     """iterate() flagged the data's end before yielding the last item; left out without accumulate(), the flag
     closed the next epoch's first micro-step as a window of its own."""

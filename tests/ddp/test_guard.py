@@ -346,3 +346,24 @@ def overlapped_and_plain(rank, world_size):
 def test_overlap_optimizer_steps_inside_the_backward_without_a_refusal():
     a, b = run_ranks(overlapped_and_plain, 2, timeout=60)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def averaged_then_stepped_in_another_backward(rank, world_size, through_a_model):
+    """Model B's optimizer stepped from a hook in another backward (model A's, or one through no model), after B's
+    own synced backward averaged its gradients: nothing to refuse."""
+    torch.manual_seed(0)
+    a, b = gradsync.DDP(torch.nn.Linear(4, 2)), gradsync.DDP(torch.nn.Linear(4, 2))
+    optimizer = torch.optim.SGD(b.parameters(), lr=0.1)
+    torch.manual_seed(rank)
+    x = torch.randn(8, 4)
+    b(x).pow(2).mean().backward()
+    out = a(x) if through_a_model else torch.ones(3, requires_grad=True) * 2
+    out.register_hook(lambda grad: optimizer.step())
+    out.pow(2).mean().backward()
+    return b.module.weight.detach().clone()
+
+
+@pytest.mark.parametrize("through_a_model", [True, False], ids=["another_model", "no_model"])
+def test_a_step_on_averaged_gradients_inside_another_backward_is_let_through(through_a_model):
+    a, b = run_ranks(averaged_then_stepped_in_another_backward, 2, through_a_model, timeout=60)
+    assert torch.equal(a, b)

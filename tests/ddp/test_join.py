@@ -154,6 +154,10 @@ def sync_each_batch_in_join(rank, world_size):
                 acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
     with acc.accumulate():  # outside the join it runs
         acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
+    with model.join(enable=False):  # and inside a disabled one (torch's Join calls the join hook all the same)
+        for _ in range(2):
+            with acc.accumulate():
+                acc.backward(F.mse_loss(model(shard(x, rank, world_size)), shard(y, rank, world_size)))
     return True
 
 

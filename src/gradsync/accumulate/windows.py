@@ -43,7 +43,8 @@ class Windows:
         self._short_by = 0  # micro-steps this rank runs fewer than the busiest rank in this window
         self._boundary = True  # before the first micro-step: "between windows"
         self._end_of_data = False  # iterate() is yielding the data's last item
-        self._ahead: list[Any] = []  # iterate()'s item read ahead from a stateful loader, or one restored from a checkpoint
+        self._ahead: list[Any] = []  # iterate()'s item read ahead from a stateful loader, for state_dict()
+        self._resumed: list[Any] = []  # such an item from load_state_dict(): the next iterate() yields it first
         self._kind: str | None = None  # MEAN or ITEMS (normalize.py): what the window's backwards took
         self._items: torch.Tensor | None = None  # this rank's item count in the current window
         self._weights: list[float] | None = None  # per-micro-step loss weights of a split() window
@@ -113,9 +114,10 @@ class Windows:
         self.at_window_start()  # a replica that joins gets the members' state before its first item
         # a loader with a state_dict() (torchdata's StatefulDataLoader) is one item past what trained while a step
         # runs: state_dict() keeps that item, and the next iterate() after load_state_dict() yields it first
-        it, stateful = chain(self._ahead, iterable), callable(getattr(iterable, "state_dict", None))
+        it, stateful = chain(self._resumed, iterable), callable(getattr(iterable, "state_dict", None))
+        self._resumed, self._ahead = [], []  # one a loop left by break belongs to that loop's loader, not this one
         try:
-            self._ahead, current = [], next(it)
+            current = next(it)
         except StopIteration:
             return
         for following in it:  # look one ahead: only then is the last item known
@@ -197,7 +199,7 @@ class Windows:
         items = state["items"]
         self._items = None if items is None else torch.tensor(items, dtype=torch.float64,
                                                               device=self._device)
-        self._end_of_data, self._ahead = False, list(state.get("ahead", []))
+        self._end_of_data, self._resumed = False, list(state.get("ahead", []))
 
 
 def _rows(leaves: list[Any]) -> int:

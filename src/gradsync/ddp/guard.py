@@ -139,11 +139,13 @@ def _check_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> 
 def _check(optimizer: torch.optim.Optimizer) -> None:
     known = alive(state.guard_known)
     unsynced = [r for r in known if r.unsynced]
-    inside = known if graph_task_id() != -1 else []  # a step from a gradient hook (an optimizer stepped in backward)
+    # a step from a gradient hook (an optimizer stepped in backward), in a backward of the model or right before it
+    # (a hook on its first gradient runs before the model's own); overlap_optimizer's come once a bucket is reduced
+    inside = [r for r in known if r.it.in_backward or r.counters.pending] if graph_task_id() != -1 else []
     if not (unsynced or inside or state.guard_exclusive):
         return
     _, ids, _, touched, _ = _entry(optimizer)
-    for reducer in inside:  # overlap_optimizer steps a bucket once it is reduced, inside the synced backward
+    for reducer in inside:
         it = reducer.it
         if it.syncing and all(it.ready):
             continue
