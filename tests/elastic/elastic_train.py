@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--sharded", action="store_true", help="ShardedDataParallel + ShardedOptimizer(AdamW)")
     parser.add_argument("--victim2", type=int, default=-1, help="--sharded: a replica that dies as it is about to "
                         "contribute to the first re-shard")
+    parser.add_argument("--dies-after-reform", type=int, default=-1, help="a replica that dies as the first re-form "
+                        "ends, its new group formed, before it reports how long the re-form took")
     parser.add_argument("--clip", action="store_true", help="clip_grad_norm_(model.parameters(), CLIP) before each step "
                         "(after the optimizer_step point: a kill there is found in its all-reduce)")
     parser.add_argument("--scaler", action="store_true", help="--sharded: gradsync.ShardedGradScaler with a fixed "
@@ -250,6 +252,10 @@ def main() -> None:
                 print(f"replica {me} lagged {lag} s before a pass in window {lag_window}", file=sys.stderr, flush=True)
             return passed(store, bucket, group)
         sharded_launcher.pass_on = late
+    if args.dies_after_reform == me:
+        membership = gradsync.elastic.membership.StoreMembership
+        slowest = membership.slowest
+        membership.slowest = lambda self, seconds: die() if self.generation >= 1 else slowest(self, seconds)
     if args.victim2 == me:  # inside the re-shard that the first death started: the others are gathering
         import gradsync.sharded.regroup as regroup
         held = regroup.held

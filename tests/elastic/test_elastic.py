@@ -256,6 +256,19 @@ def test_sharded_bf16_with_reduce_dtype_drills(tmp_path, point, victim, window, 
     check_run(tmp_path, proc, victim=victim, window=window, lost=lost, adamw=True, bf16=True)
 
 
+def test_a_death_as_a_re_form_ends_re_forms_again(tmp_path):
+    """4 replicas: replica 1 dies with a bucket in flight, and replica 2 once the survivors' new group formed, before
+    it reported how long the re-form took. The others waited for its report with the store's wait, until the
+    timeout, and then ended; they now see it gone and re-form again."""
+    proc = launch(tmp_path, "--victim", "1", "--window", "1", "--point", "during_reductions",
+                  "--dies-after-reform", "2", replicas=4)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    first = agreeing(survivors(tmp_path), [0, 3], proc.stderr)
+    assert [e["left"] for e in first["events"]] == [[1], [2]], proc.stderr[-6000:]
+    for got, ref in zip(first["params"], reference(first["events"], 4)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
+
+
 def test_a_death_during_the_re_shard_re_forms_again(tmp_path):
     """4 replicas: replica 1 dies with a bucket in flight, and replica 3 as the survivors re-shard. The others'
     gathers end at once (bounded waits), nothing changed yet, so they re-form again and re-shard from the layout

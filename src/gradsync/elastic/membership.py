@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -253,27 +254,26 @@ class StoreMembership:
         return dist.group.WORLD
 
     def slowest(self, seconds: float) -> float:
-        """The longest any member took from the failure it saw to the new group: the same on every member."""
+        """The longest any member took from the failure it saw to the new group: the same on every member (one that
+        dies before it writes is left out: the next collective finds it gone and re-forms again)."""
         self.store.set(self.key(f"seconds/{self.replica_id}"), f"{seconds:.4f}")
-        keys = [self.key(f"seconds/{m}") for m in self.members]
-        self.store.wait(keys, self.timeout)
-        return max(float(v) for v in self.store.multi_get(keys))
+        wrote = self._each(self.members, lambda m: self.key(f"seconds/{m}"))
+        return max(float(v) for v in self.store.multi_get([self.key(f"seconds/{m}") for m in wrote]))
 
     def _agree(self, g: int, before: list[int]) -> list[int]:
         """Wait until every member of the last generation arrived in generation ``g`` or is gone; the
         first proposal written wins, so every survivor adopts the same list."""
+        arrived = [m for m in self._each(before, lambda m: self.key(f"alive/{m}", g)) if not self._exited(m)]
+        return json.loads(self.store.compare_set(self.key("members", g), "", json.dumps(arrived)))
+
+    def _each(self, members: list[int], key_of: Callable[[int], str]) -> list[int]:
+        """Wait, at most the timeout, until each of ``members`` wrote its key or is gone; return those that wrote."""
         deadline = time.monotonic() + self.timeout.total_seconds()
         while True:
-            arrived, pending = [], []
-            for m in before:
-                if self._exited(m):
-                    continue
-                (arrived if self.store.check([self.key(f"alive/{m}", g)]) else pending).append(m)
-            if not pending or time.monotonic() >= deadline:
-                break
+            wrote = [m for m in members if self.store.check([key_of(m)])]
+            if time.monotonic() >= deadline or all(m in wrote or self._exited(m) for m in members):
+                return wrote
             time.sleep(0.01)
-        chosen = self.store.compare_set(self.key("members", g), "", json.dumps(arrived))
-        return json.loads(chosen)
 
 
 def _finished(handle: Any) -> bool:
