@@ -247,11 +247,7 @@ def test_a_reentrant_checkpoint_around_the_last_layer_trains_like_one_process(op
     """The end-of-backward callback, queued at the first gradient, ran when the checkpoint's nested backward ended:
     the body's gradients were reported missing (static_graph: the step guard refused)."""
     ref = CheckpointedHead()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in batches(4, 2):
-        F.mse_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    reference(ref, batches(4, 2), opt=torch.optim.SGD(ref.parameters(), lr=0.1))
     for got in run_ranks(checkpointed_head, 2, option, timeout=60):
         assert_close_dicts(got, params(ref), atol=1e-6)
 
@@ -285,11 +281,7 @@ def test_static_graph_learns_a_parameter_used_inside_and_outside_a_checkpointed_
     """The first static_graph backward ended where the checkpoint's nested backward did, having seen the shared layer
     once: its second gradient came after, unsynchronized (torch's DDP queues its end from a node on the outputs)."""
     ref = SharedAcrossTheCheckpoint()
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
-    for x, y in batches(3, 2):
-        F.mse_loss(ref(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    reference(ref, batches(3, 2), opt=torch.optim.SGD(ref.parameters(), lr=0.1))
     for got in run_ranks(shared_across, 2, timeout=60):
         assert_close_dicts(got, params(ref), atol=1e-6)
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .._torch import join_enabled, stamp, unchanged
+from .._torch import stamp, unchanged
 from ..engine.errors import SyncError
 from ..ddp.seam import SyncTarget
 from .. import process
@@ -27,12 +27,7 @@ from .noise import NoiseEstimates
 from .normalize import ITEMS, MEAN, MEAN_WITH_ITEMS, as_count, is_mean
 from .skips import SkipMicroStep, check_skip_on, reason_of, skippable
 from .optim import WindowOptimizer, WindowScheduler
-from .close import WindowClose
-
-def in_join(model: nn.Module) -> bool:
-    """Inside an enabled ``model.join()`` (torch's ``Join`` calls the join hook even when disabled)."""
-    return getattr(model, "join_state", None) is not None and join_enabled(model)
-
+from .close import WindowClose, active_join
 
 SYNC_EACH_BATCH_IN_JOIN = (
     "gradsync: sync_each_batch=True inside model.join() is not supported: each synced micro-step reduces the window's "
@@ -106,7 +101,7 @@ class GradientAccumulator(WindowClose):
             self.data_ended()
             self.at_window_start()
             self._start_window()
-            if self.sync_each_batch and self._window_len > 1 and in_join(self.model):
+            if self.sync_each_batch and self._window_len > 1 and active_join(self.model) is not None:
                 raise NotImplementedError(SYNC_EACH_BATCH_IN_JOIN)
             self.noise.start_window()
             if self._short_by and self._target is not None:

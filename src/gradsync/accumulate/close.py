@@ -14,10 +14,17 @@ from typing import Any
 import torch.distributed as dist
 
 from .. import process
-from .._torch import foreach_mul_
+from .._torch import foreach_mul_, join_enabled
 from .normalize import ITEMS, TAG, check_closed_together, check_kinds, window_factor, without_failed
 from .skips import exchange_records
 from .windows import Windows
+
+
+def active_join(model: Any) -> Any:
+    """The model's join state inside an enabled ``model.join()``, else None (torch's ``Join`` calls the join hook
+    even when disabled)."""
+    join = getattr(model, "join_state", None)
+    return join if join is not None and join_enabled(model) else None
 
 
 class WindowClose(Windows):
@@ -64,8 +71,8 @@ class WindowClose(Windows):
                 self._wait(work[0])
                 total = float(work[1])
             rows = {0: (TAG[self._kind], total or 0.0, self._units_everywhere(), float(len(self._records)))}
-        join = getattr(self.model, "join_state", None)  # divide_by_initial_world_size=False: the buckets were divided
-        divisor = len(rows) if join is not None and join.divides_by_active else self._world_size  # by the active ranks
+        join = active_join(self.model)  # divide_by_initial_world_size=False: the buckets were divided by the active ranks
+        divisor = len(rows) if join is not None and join.divides_by_active else self._world_size
         rows = without_failed(rows, self._target.failed_ranks() if self._target is not None else [])
         check_closed_together(rows, self.windows)
         check_kinds(rows, self.windows)

@@ -149,7 +149,7 @@ def _check(optimizer: torch.optim.Optimizer) -> None:
         it = reducer.it
         if it.syncing and all(it.ready):
             continue
-        ready = it.ready if it.syncing and it.ready else [False] * len(reducer.params)
+        ready = it.ready if it.syncing else [False] * len(reducer.params)
         early = [n for n, p, r in zip(reducer.names, reducer.params, ready) if not r and id(p) in ids and p.grad is not None]
         if early:
             raise RuntimeError(

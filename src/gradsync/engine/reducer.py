@@ -86,8 +86,9 @@ class Reducer:
     enable_trace = telemetry.enable_trace  # (on=True) -> the timeline list; on=False stops recording
 
     def prepare_for_forward(self) -> None:
-        # the last backward raised before its end: drop its state (not for a no-grad forward, which may run in another
-        if (unfinished := self.it).in_backward and torch.is_grad_enabled():  # thread while a backward runs here)
+        # the last backward raised before its end: drop its state; not at a no-grad forward, which may run in another
+        # thread while a backward runs in this one
+        if (unfinished := self.it).in_backward and torch.is_grad_enabled():
             if unfinished.syncing and unfinished.compiled_autograd:
                 raise RuntimeError(messages.COMPILED_AUTOGRAD_UNFINISHED)
             self.reset_iteration()
