@@ -8,6 +8,7 @@ heartbeat (``Liveness``) are ended at exit, their connection shut down if a call
 """
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -75,19 +76,24 @@ FREEZE_AND_EXIT = textwrap.dedent("""
 def test_a_replica_exits_cleanly_while_its_store_thread_waits_on_a_frozen_coordinator(script):
     """Timed from the script's last line, not its start: two interpreters importing torch on a loaded machine took
     more than the thread's 60 s timeout, which a stuck exit would wait."""
-    proc = subprocess.Popen([sys.executable, "-c", script + FREEZE_AND_EXIT], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        seen = []
-        for line in iter(proc.stdout.readline, ""):
-            seen.append(line)
-            if line.startswith("exiting"):
-                break
-        exiting = time.monotonic()
-        out, err = proc.communicate(timeout=120)
-    finally:
-        proc.kill()
-    took, stdout = time.monotonic() - exiting, "".join(seen) + out
+    # stderr to a file and stdout read to its end here: communicate() after readline() would lose what readline's
+    # buffer already held (the line the exit handler prints)
+    with tempfile.TemporaryFile("w+") as errors:
+        proc = subprocess.Popen([sys.executable, "-c", script + FREEZE_AND_EXIT], stdout=subprocess.PIPE,
+                                stderr=errors, text=True)
+        try:
+            seen = []
+            for line in iter(proc.stdout.readline, ""):
+                seen.append(line)
+                if line.startswith("exiting"):
+                    break
+            exiting = time.monotonic()
+            proc.wait(timeout=120)
+            took, stdout = time.monotonic() - exiting, "".join(seen) + proc.stdout.read()
+        finally:
+            proc.kill()
+        errors.seek(0)
+        err = errors.read()
     assert proc.returncode == 0 and "exiting" in stdout, (proc.returncode, stdout, err[-3000:])
     assert "terminate called" not in err, err[-3000:]
     assert "store threads alive at exit: []" in stdout, stdout
